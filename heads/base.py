@@ -173,6 +173,10 @@ class DraftHead(nn.Module):
         """Copy target weights into the head's own parameters where the design says so (e.g. Medusa's
         LM heads start as the target's); called once at build, never on load."""
 
+    def init_from_data(self, token_counts: Tensor) -> None:
+        """See the training data before training (e.g. EAGLE-3 picks its draft vocabulary from
+        `token_counts` [V], the frequency of each target token among loss-masked tokens)."""
+
     def feature_layers(self) -> list[int]:
         return [self.target_config.num_hidden_layers]
 
