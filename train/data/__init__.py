@@ -1,0 +1,18 @@
+"""headway's data pipeline: conversations -> assistant-masked token batches -> target features.
+
+Public API (used by train/ and infer/):
+  DataConfig, DataError                      schema of the `data` config group, the pipeline's error
+  build_datasets(cfg, tokenizer, max_length, seed, main_process_first=None, return_stats=False)
+                                             -> (train_ds, val_ds[, DataStats]); items {input_ids, loss_mask}
+  collate_fn(pad_id)                         -> collate(items) -> {input_ids, attention_mask, loss_mask}
+  token_counts(train_ds, vocab_size)         -> LongTensor [V] over loss-masked tokens
+  make_feature_source(cfg, target, layers, with_logits) -> callable(batch) -> TargetFeatures
+"""
+
+from train.data.batching import collate_fn, token_counts
+from train.data.build import DataStats, build_datasets
+from train.data.config import DataConfig, DataError, RegenConfig
+from train.data.features import make_feature_source
+
+__all__ = ["DataConfig", "DataError", "DataStats", "RegenConfig", "build_datasets", "collate_fn",
+           "make_feature_source", "token_counts"]
