@@ -1,0 +1,335 @@
+"""Small pieces the draft heads share: options, decoder layers of the target's architecture, attention over a
+committed-context KV cache plus a draft tree, and chained (conditional) depth accuracies.
+
+Attention inside a head layer is always "explicit keys + boolean mask": a layer call attends to
+`prefix keys (context / tree) ++ its own new keys`, and the mask says which. The same code path serves the
+teacher-forced training forward (no prefix), `draft_begin` (prefix = committed context) and `draft_expand`
+(prefix = committed context ++ this round's tree), so cached drafting equals a full recompute by
+construction.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from heads.base import HeadError, HeadLoss, TargetFeatures
+
+
+# ------------------------------------------------------------------------------------------- options
+
+def resolve_options(kind: str, defaults: dict, given: dict, choices: dict | None = None) -> dict:
+    """defaults <- given, with one clear error for a misspelled name or an invalid choice."""
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise HeadError(f"unknown option(s) {unknown} for head {kind!r}: valid options are {sorted(defaults)}")
+    options = dict(defaults, **given)
+    for name, allowed in (choices or {}).items():
+        if options[name] not in allowed:
+            raise HeadError(f"head {kind!r}: option {name}={options[name]!r} is not one of {list(allowed)}")
+    return options
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise HeadError(message)
+
+
+def positive_int(kind: str, options: dict, *names: str) -> None:
+    for name in names:
+        value = options[name]
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"head {kind!r}: option {name} must be an integer >= 1, got {value!r}")
+
+
+# ------------------------------------------------------------------------- target-architecture layers
+
+def decoder_layer_class(config) -> type[nn.Module]:
+    """The decoder-layer class of the target's architecture (e.g. LlamaDecoderLayer), found from its config
+    alone so that a head can be built before (or without) the target's weights."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError as exc:
+        raise HeadError(f"target model_type {config.model_type!r} has no causal-LM class in transformers") from exc
+    module = sys.modules[model_cls.__module__]
+    names = [n for n in (model_cls._no_split_modules or []) if n.endswith("DecoderLayer") and hasattr(module, n)]
+    if not names:
+        raise HeadError(f"cannot find the decoder-layer class of {model_cls.__name__}: heads support "
+                        f"Llama-like targets (Llama, Qwen2, Mistral)")
+    return getattr(module, names[0])
+
+
+def head_layer_config(config):
+    """The target's config for the head's own layers: same shapes, our attention path (explicit masks)."""
+    cfg = copy.deepcopy(config)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def new_decoder_layer(config) -> nn.Module:
+    return decoder_layer_class(config)(head_layer_config(config), layer_idx=0)
+
+
+def new_rms_norm(layer: nn.Module, config) -> nn.Module:
+    """An RMSNorm of the target's own flavour (the class its decoder layer uses)."""
+    return type(layer.post_attention_layernorm)(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class JoinKV:
+    """Stands in for a transformers Cache during one layer call: the layer attends to `prefix ++ new` keys;
+    the new (rotated) keys/values are kept so the caller can store them."""
+
+    def __init__(self, prefix: tuple[Tensor, Tensor] | None = None):
+        self.prefix = prefix
+        self.key = self.value = None
+
+    def update(self, key, value, layer_idx=0, *args, **kwargs):  # [B, Hkv, n, d]
+        self.key, self.value = key, value
+        if self.prefix is None:
+            return key, value
+        return torch.cat([self.prefix[0], key], 2), torch.cat([self.prefix[1], value], 2)
+
+
+def rotary(frozen: dict, x: Tensor, positions: Tensor):
+    """(cos, sin) of the target's rotary embedding at `positions` [B, n]."""
+    return frozen["rotary_emb"](x, positions.clamp(min=0))
+
+
+def attend_mask(q_pos: Tensor, k_pos: Tensor, k_valid: Tensor, gap: int = 0) -> Tensor:
+    """Key j is visible to query i if it is valid and at least `gap` positions earlier (gap 0 = causal).
+    q_pos [B, n], k_pos/k_valid [B, L] -> [B, 1, n, L] bool."""
+    ok = (k_pos[:, None, :] <= q_pos[:, :, None] - gap) & k_valid[:, None, :]
+    return ok[:, None]
+
+
+def self_mask(n: int, device) -> Tensor:  # [1, 1, n, n]: every query sees its own key
+    return torch.eye(n, dtype=torch.bool, device=device)[None, None]
+
+
+# ---------------------------------------------------------------------------------- committed context
+
+class ContextKV:
+    """Keys/values of the committed context for one attention layer, preallocated [B, Hkv, max_len, d] and
+    filled left to right per row (rows are ragged). Only `append` and `view` are used by the heads, so a
+    paged cache can replace this class."""
+
+    def __init__(self, batch_size: int, max_len: int):
+        self.batch_size, self.max_len = batch_size, max_len
+        self.k = self.v = None
+        self.pos = None  # [B, max_len] position of each stored entry
+        self.lengths = None  # [B]
+
+    def append(self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """Store the valid entries of k/v [B, Hkv, n, d] (positions/valid [B, n]) after each row's last."""
+        if self.k is None:
+            B, H, _, d = k.shape
+            self.k = k.new_zeros(B, H, self.max_len, d)
+            self.v = v.new_zeros(B, H, self.max_len, d)
+            self.pos = torch.zeros(B, self.max_len, dtype=torch.long, device=k.device)
+            self.lengths = torch.zeros(B, dtype=torch.long, device=k.device)
+        slot = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [B, n] destination of valid entries
+        if int((slot.masked_fill(~valid, -1).max())) >= self.max_len:
+            raise HeadError(f"draft context longer than max_len={self.max_len}: raise max_len in draft_state")
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(slot)
+        b, s = rows[valid], slot[valid]
+        self.k[b, :, s] = k.transpose(1, 2)[valid]
+        self.v[b, :, s] = v.transpose(1, 2)[valid]
+        self.pos[b, s] = positions[valid]
+        self.lengths += valid.sum(1)
+
+    def view(self):
+        """(k, v [B, Hkv, L, d], positions [B, L], valid [B, L]) trimmed to the longest row."""
+        if self.k is None:
+            return None
+        L = max(int(self.lengths.max()), 1)
+        valid = torch.arange(L, device=self.k.device)[None] < self.lengths[:, None]
+        return self.k[:, :, :L], self.v[:, :, :L], self.pos[:, :L], valid
+
+
+@dataclass
+class DraftTree:
+    """This round's tree nodes (tree-local K/V and who is whose ancestor); dropped by draft_end."""
+
+    k: Tensor | None = None  # [B, Hkv, N, d]
+    v: Tensor | None = None
+    ancestors: Tensor | None = None  # [B, N, N] bool: ancestors[b, i, j] = node j is an ancestor of node i
+
+    @property
+    def size(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def ancestors_of_new(self, parents: Tensor) -> Tensor:
+        """[B, n, N]: ancestors of new nodes hanging from `parents` [B, n] (-1 = root)."""
+        B, n = parents.shape
+        N = self.size
+        if N == 0:
+            return torch.zeros(B, n, 0, dtype=torch.bool, device=parents.device)
+        idx = parents.clamp(min=0)
+        anc = torch.gather(self.ancestors, 1, idx[:, :, None].expand(B, n, N))  # the parent's ancestors
+        anc = anc | F.one_hot(idx, N).bool()  # plus the parent itself
+        return anc & (parents >= 0)[:, :, None]
+
+    def add(self, k: Tensor, v: Tensor, anc_new: Tensor) -> None:
+        B, n, N = anc_new.shape
+        if N == 0:
+            self.k, self.v, self.ancestors = k, v, anc_new.new_zeros(B, n, n)
+            return
+        self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
+        grown = anc_new.new_zeros(B, N + n, N + n)
+        grown[:, :N, :N] = self.ancestors
+        grown[:, N:, :N] = anc_new
+        self.ancestors = grown
+
+
+@dataclass
+class ContextDraftState:
+    """Inference state of a head with one attention layer: committed-context KV + this round's tree."""
+
+    context: ContextKV
+    tree: DraftTree = field(default_factory=DraftTree)
+    last_pos: Tensor | None = None  # [B] position of the newest committed feature (m - 1)
+
+
+def begin_mask(ctx_view, positions: Tensor, valid: Tensor, gap: int = 0) -> Tensor:
+    """Mask for this round's new entries [B, n] attending to the stored context and to each other."""
+    new = attend_mask(positions, positions, valid, gap) | self_mask(positions.shape[1], positions.device)
+    if ctx_view is None:
+        return new
+    return torch.cat([attend_mask(positions, ctx_view[2], ctx_view[3], gap), new], -1)
+
+
+def expand_mask(ctx_view, tree: DraftTree, anc_new: Tensor, q_pos: Tensor) -> Tensor:
+    """Mask for new tree nodes: committed context, their ancestors in the tree, themselves."""
+    parts = [] if ctx_view is None else [attend_mask(q_pos, ctx_view[2], ctx_view[3])]
+    parts += [anc_new[:, None], self_mask(q_pos.shape[1], q_pos.device).expand(q_pos.shape[0], -1, -1, -1)]
+    return torch.cat(parts, -1)
+
+
+def context_prefix(ctx_view, tree: DraftTree | None = None):
+    """Keys/values the new entries attend to before their own: context (++ tree)."""
+    ks, vs = [], []
+    if ctx_view is not None:
+        ks.append(ctx_view[0]), vs.append(ctx_view[1])
+    if tree is not None and tree.size:
+        ks.append(tree.k), vs.append(tree.v)
+    if not ks:
+        return None
+    return torch.cat(ks, 2), torch.cat(vs, 2)
+
+
+def last_valid(x: Tensor, num_valid: Tensor) -> Tensor:
+    """x [B, n, ...] -> x[b, num_valid[b] - 1] [B, ...]."""
+    idx = (num_valid - 1).clamp(min=0)
+    return x[torch.arange(x.shape[0], device=x.device), idx]
+
+
+def valid_slots(num_valid: Tensor, n: int) -> Tensor:  # [B, n] bool, left-aligned
+    return torch.arange(n, device=num_valid.device)[None] < num_valid[:, None]
+
+
+# ----------------------------------------------------------------------- training-time unrolled steps
+
+class UnrollKV:
+    """Keys of earlier unrolled steps for the training-time test (EAGLE-3's TTT, EAGLE's open-loop eval).
+
+    Step j (1-based) at query position t drafts from the anchor c = t - j + 1: it sees step-1 entries (true
+    features) at positions <= c and the step-i entry at position c + i - 1 for i = 2..j (its ancestors in a
+    chain, and itself) -- exactly what `draft_expand` sees in a chain at depth j - 1."""
+
+    def __init__(self):
+        self.keys: list[tuple[Tensor, Tensor]] = []
+
+    def step_kv_and_mask(self, T: int, device) -> tuple[JoinKV, Tensor]:
+        j = len(self.keys) + 1
+        t = torch.arange(T, device=device)
+        blocks = []
+        for i in range(1, j + 1):
+            if i == 1:
+                blocks.append(t[None, :] <= t[:, None] - (j - 1))  # true-feature context
+            else:
+                blocks.append(t[None, :] == t[:, None] - (j - i))  # ancestor at depth i - 1 (i = j: itself)
+        mask = torch.cat(blocks, -1)[None, None]  # [1, 1, T, j*T]
+        prefix = None
+        if self.keys:
+            prefix = (torch.cat([k for k, _ in self.keys], 2), torch.cat([v for _, v in self.keys], 2))
+        return JoinKV(prefix), mask
+
+    def keep(self, kv: JoinKV) -> None:
+        self.keys.append((kv.key, kv.value))
+
+
+def shift_right(x: Tensor, steps: int = 1) -> Tensor:
+    """x [B, T, ...] -> y with y[:, t] = x[:, t - steps] (zeros where t < steps)."""
+    if steps == 0:
+        return x
+    return F.pad(x, (0, 0) * (x.dim() - 2) + (steps, 0))[:, : x.shape[1]]
+
+
+def shift_left(x: Tensor, steps: int, fill=0) -> Tensor:
+    """x [B, T] -> y with y[:, t] = x[:, t + steps] (`fill` past the end)."""
+    if steps == 0:
+        return x
+    return torch.cat([x[:, steps:], x.new_full((x.shape[0], steps), fill)], 1)
+
+
+# ---------------------------------------------------------------------------------------- metrics
+
+def labels_at_depth(input_ids: Tensor, loss_mask: Tensor, depth: int):
+    """Depth d drafted from anchor c (the last position with a target feature) predicts x_{c+1+d}:
+    returns (labels [B, T], scored [B, T]) indexed by anchor c."""
+    labels = shift_left(input_ids, depth + 1)
+    scored = shift_left(loss_mask.bool(), depth + 1, fill=False)
+    return labels, scored
+
+
+def chain_accuracy(preds: list[Tensor], input_ids: Tensor, loss_mask: Tensor,
+                   computed: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Conditional top-1 accuracy by depth of a greedy chain.
+
+    preds[d-1] [B, T]: the depth-d draft from anchor c. Depth d is counted at anchors whose depths 1..d-1
+    were all right, so prod_k(correct_k / count_k) is the empirical probability that the chain is
+    accepted through depth k, and `simulated_tau` of these rates is the chain's empirical tau.
+    `computed[d-1]` [B, T] marks anchors whose depth-d draft was actually computed (default: all)."""
+    correct_all, count_all = [], []
+    alive = torch.ones_like(loss_mask, dtype=torch.bool)
+    for d, pred in enumerate(preds, start=1):
+        labels, scored = labels_at_depth(input_ids, loss_mask, d)
+        if computed is not None:
+            scored = scored & computed[d - 1]
+        counted = alive & scored
+        hit = counted & (pred == labels)
+        correct_all.append(hit.sum())
+        count_all.append(counted.sum())
+        alive = hit
+    return torch.stack(correct_all), torch.stack(count_all)
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of values over mask (0 when the mask is empty, keeping the graph)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def soft_cross_entropy(logits: Tensor, target_logits: Tensor) -> Tensor:
+    """-sum_v p_target(v) log q(v) per position, [..., V] -> [...] (fp32)."""
+    p = target_logits.float().softmax(-1)
+    return -(p * logits.float().log_softmax(-1)).sum(-1)
+
+
+def target_logits_of(head, feats: TargetFeatures) -> Tensor:
+    """The target's logits [B, T, V] (computed from its last hidden state when not cached)."""
+    if feats.logits is not None:
+        return feats.logits
+    with torch.no_grad():
+        return head.target_logits(feats.last_hidden).float()
+
+
+def head_loss(loss: Tensor, correct: Tensor, count: Tensor, **metrics: Tensor) -> HeadLoss:
+    return HeadLoss(loss, correct.detach(), count.detach(), {k: float(v) for k, v in metrics.items()})
