@@ -295,21 +295,20 @@ def _acceptance_from_file(path: Path) -> list[float]:
 
 # ------------------------------------------------------------------------------------------ measured
 
-def measured_latency(target_name: str, sizes: list[int]) -> dict[int, float] | None:
-    """The engine's calibration of T(N) on this machine (seconds per target step with N tokens), if the
-    engine provides one; None otherwise."""
+def measured_latency(target_name: str, sizes: list[int], context: int) -> dict[int, float] | None:
+    """The engine's calibration of T(N) on this machine (seconds per target step of N tokens after
+    `context` cached ones), measured now; None if the engine's calibration is not available."""
     try:
-        from infer.engine import calibrate_latency
+        from infer.calibrate import calibrate_latency
     except ImportError:
         return None
     from heads.target import load_target
 
-    spec = {"path": "tiny-random", "name": "tiny-random"} if target_name == "tiny-random" else \
-        {"path": "embedded:smollm2", "name": "smollm2-135m"} if target_name == "smollm2-135m" else \
-        {"path": target_name, "name": target_name}
-    target = load_target(spec)
-    curve = calibrate_latency(target, sizes)
-    return {int(n): float(t) for n, t in dict(curve).items()}
+    spec = {"tiny-random": {"path": "tiny-random", "name": "tiny-random"},
+            "smollm2-135m": {"path": "embedded:smollm2", "name": "smollm2-135m"}}
+    target = load_target(spec.get(target_name, {"path": target_name, "name": target_name}))
+    # save=False: the engine's cached curve (its own context) stays what `python -m infer.calibrate` wrote
+    return calibrate_latency(target, sizes, context=context, repeats=2, save=False)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -355,18 +354,20 @@ def report(args: dict, out=print) -> None:
 
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     measure = device.name == "local" if args["measure"] is None else str(args["measure"]).lower() in ("true", "1")
-    measured = measured_latency(args["target"], sizes) if measure else None
+    measured = measured_latency(args["target"], sizes, ctx) if measure else None
     pred = latency(torch.tensor(sizes))
     out("")
     out(f"{'N':>5} {'intensity':>10} {'T(N) pred ms':>13} {'T(N)/T(1)':>10}"
-        + (f" {'T(N) meas ms':>13} {'pred/meas':>10}" if measured else ""))
+        + (f" {'T(N) meas ms':>13} {'T(N)/T(1)':>10} {'of roofline':>12}" if measured else ""))
     for n, t in zip(sizes, pred.tolist()):
         row = f"{n:>5} {float(intensity(shape, n, bpp, ctx)):>10.2f} {t * 1e3:>13.4f} {t / float(pred[0]):>10.2f}"
         if measured and n in measured:
-            row += f" {measured[n] * 1e3:>13.4f} {t / measured[n]:>9.1%}"
+            row += f" {measured[n] * 1e3:>13.4f} {measured[n] / measured[1]:>10.2f} {t / measured[n]:>12.1%}"
         out(row)
+    if measured:
+        out("(of roofline = predicted / measured time: how close this machine runs to its limit)")
     if measure and measured is None:
-        out("(no measured T(N): the engine's calibration, infer.engine.calibrate_latency, is not available)")
+        out("(no measured T(N): the engine's calibration, infer.calibrate, is not available)")
 
     alpha, gamma, c = args["alpha"], args["gamma"], args["draft_cost"]
     out("")

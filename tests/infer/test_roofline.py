@@ -129,3 +129,9 @@ def test_cli_bad_input_is_one_line_exit_2(capsys):
     assert rf.main(["alpha=2", "device=a100"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+
+
+def test_cli_on_this_machine_prints_measured_next_to_predicted(capsys):
+    assert rf.main(["device=local", "target=tiny-random"]) == 0
+    out = capsys.readouterr().out
+    assert "device local" in out and "T(N) meas ms" in out and "of roofline" in out

@@ -1,0 +1,60 @@
+"""What every benchmark script shares: the repo on sys.path, timing, the table and the headline line.
+
+Benchmarks compare against a baseline measured in the same run (these machines are noisy: ratios, not
+absolute times), print one table, and end with one line stating the headline ratio as `<number>x`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python scripts/bench_x.py` from a clone without `pip install -e .`
+    sys.path.insert(0, str(REPO))
+
+
+def best_time(fn, repeats: int = 3) -> float:
+    """Fastest of `repeats` runs (seconds): the run least disturbed by other processes."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def print_table(rows: list[dict], title: str | None = None, out=print) -> None:
+    """A plain fixed-width table; floats get 4 significant digits."""
+    if title:
+        out(title)
+    if not rows:
+        return
+    cols = list(rows[0])
+    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    out("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        out("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "-" if v is None else str(v)
+
+
+def machine() -> str:
+    """One line naming the hardware the numbers come from."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), torch {torch.__version__}"
+    return f"CPU x{os.cpu_count()} ({torch.get_num_threads()} torch threads), torch {torch.__version__}"
+
+
+def headline(ratio: float, what: str) -> None:
+    """The last line of every benchmark: the headline ratio as `<number>x`."""
+    print(f"{what}: {ratio:.2f}x")
