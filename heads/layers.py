@@ -273,10 +273,10 @@ def shift_right(x: Tensor, steps: int = 1) -> Tensor:
 
 
 def shift_left(x: Tensor, steps: int, fill=0) -> Tensor:
-    """x [B, T] -> y with y[:, t] = x[:, t + steps] (`fill` past the end)."""
+    """x [B, T, ...] -> y with y[:, t] = x[:, t + steps] (`fill` past the end)."""
     if steps == 0:
         return x
-    return torch.cat([x[:, steps:], x.new_full((x.shape[0], steps), fill)], 1)
+    return torch.cat([x[:, steps:], x.new_full((x.shape[0], steps) + x.shape[2:], fill)], 1)
 
 
 # ---------------------------------------------------------------------------------------- metrics
@@ -333,3 +333,49 @@ def target_logits_of(head, feats: TargetFeatures) -> Tensor:
 
 def head_loss(loss: Tensor, correct: Tensor, count: Tensor, **metrics: Tensor) -> HeadLoss:
     return HeadLoss(loss, correct.detach(), count.detach(), {k: float(v) for k, v in metrics.items()})
+
+
+# ------------------------------------------------------------------- drafting with one attention layer
+
+def context_begin(context: ContextKV, step, emb: Tensor, hidden: Tensor, positions: Tensor, valid: Tensor,
+                  gap: int = 0) -> Tensor:
+    """Run `step(emb, hidden, positions, kv, mask)` on newly committed entries [B, n] against the stored
+    context, then store their keys/values; returns the step's output [B, n, h]."""
+    ctx = context.view()
+    kv = JoinKV(context_prefix(ctx))
+    out = step(emb, hidden, positions, kv, begin_mask(ctx, positions, valid, gap))
+    context.append(kv.key, kv.value, positions, valid)
+    return out
+
+
+def tree_expand(state: ContextDraftState, step, depth: int, emb: Tensor, parent_hidden: Tensor,
+                parents: Tensor) -> Tensor:
+    """Run `step` on one tree level [B, n]: each node sees the committed context, its ancestors and itself.
+    Node positions are m - 1 + depth (the committed feature m - 1 is the root's)."""
+    q_pos = (state.last_pos[:, None] + depth).expand_as(parents)
+    ctx = state.context.view()
+    anc = state.tree.ancestors_of_new(parents)
+    kv = JoinKV(context_prefix(ctx, state.tree))
+    out = step(emb, parent_hidden, q_pos, kv, expand_mask(ctx, state.tree, anc, q_pos))
+    state.tree.add(kv.key, kv.value, anc)
+    return out
+
+
+def unroll_steps(step, emb: Tensor, first_hidden: Tensor, steps: int) -> list[Tensor]:
+    """Training-time test over a whole sequence [B, T]: step 1 reads the true features, step j > 1 reads at
+    position t the output step j - 1 produced at t - 1, with the chain attention of `UnrollKV`."""
+    B, T = emb.shape[:2]
+    positions = torch.arange(T, device=emb.device)[None].expand(B, T)
+    keys, outs, hidden = UnrollKV(), [], first_hidden
+    for _ in range(steps):
+        kv, mask = keys.step_kv_and_mask(T, emb.device)
+        out = step(emb, hidden, positions, kv, mask)
+        keys.keep(kv)
+        outs.append(out)
+        hidden = shift_right(out)
+    return outs
+
+
+def by_anchor(step_values: list[Tensor]) -> list[Tensor]:
+    """Step j's values at query t belong to the draft from anchor c = t - j + 1: re-index by anchor."""
+    return [shift_left(v, j) for j, v in enumerate(step_values)]

@@ -120,13 +120,13 @@ def test_tree_siblings_do_not_see_each_other(kind, target, batch):
         reference = head.anchor_logits(ids, feats)
         state = head.draft_state(ids.shape[0], ids.shape[1])
         _, hidden = begin(head, state, ids, feats, torch.zeros_like(m), m)
-        true_next = torch.gather(ids, 1, m[:, None])  # x_{m+1}
+        true_next = torch.gather(ids, 1, m[:, None] + 1)  # x_{m+1}
         decoy = (true_next + 17) % target.config.vocab_size
         tokens = torch.cat([decoy, true_next], 1)  # sibling 0 is a decoy, sibling 1 is on the true path
         logits, hidden = head.draft_expand(state, 1, tokens, hidden[:, None].expand(-1, 2, -1),
                                            torch.full_like(tokens, -1), m[:, None].expand(-1, 2))
         torch.testing.assert_close(logits[:, 1], at_anchor(reference[1], m), rtol=1e-4, atol=1e-4)
         if (head.max_draft_depth or 3) >= 3:  # a child of sibling 1 sees its parent, not sibling 0
-            child = torch.gather(ids, 1, m[:, None] + 1)
+            child = torch.gather(ids, 1, m[:, None] + 2)  # x_{m+2}
             logits, _ = head.draft_expand(state, 2, child, hidden[:, 1:], torch.ones_like(child), m[:, None] + 1)
             torch.testing.assert_close(logits[:, 0], at_anchor(reference[2], m), rtol=1e-4, atol=1e-4)

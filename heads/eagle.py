@@ -1,0 +1,115 @@
+"""EAGLE-1/2 (Li et al. 2024): autoregression at the feature level.
+
+f_t is the target's final-normed last hidden state (`hidden_states[N]`, what its LM head reads). At position
+t the head reads `fc(cat(embed(x_{t+1}), f_t))` (`fc` = Linear(2h, h), no bias) through one decoder layer
+of the target's architecture whose input layernorm is dropped (as in EAGLE-1), predicts f_{t+1}, and the
+frozen target LM head turns it into the distribution of x_{t+2}. Drafting deeper feeds the predicted
+feature back in: `draft_expand` at depth d runs at position m - 1 + d on its parent's predicted feature.
+
+Loss: feature_weight x SmoothL1(f^_{t+1}, f_{t+1}) + token_weight x soft CE to the target's distribution of
+x_{t+2}, with uniform noise U(-noise/2, noise/2) added to the input features while training (EAGLE's
+"std 0.2" uniform noise). `ttt_steps` > 1 also trains on its own predicted features (EAGLE-3-style training-
+time test, step weights 0.8^i); EAGLE-1 uses 1.
+
+Depth accuracies: in eval mode the forward unrolls `eval_depths` steps open-loop on its own predicted
+features (true tokens, so depth d is scored where depths < d were right: the chain's conditional
+acceptance); in training mode only the `ttt_steps` trained steps are scored and deeper depths have count 0.
+
+Parameter names follow vLLM/SGLang EAGLE-1: `fc.weight` [h, 2h], `layers.0.*` (no `input_layernorm`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from heads.base import DraftHead, TargetFeatures, register_head
+from heads.layers import (ContextDraftState, ContextKV, DraftTree, by_anchor, chain_accuracy, context_begin,
+                          head_loss, last_valid, masked_mean, new_decoder_layer, positive_int, require,
+                          resolve_options, rotary, shift_left, soft_cross_entropy, target_logits_of,
+                          tree_expand, unroll_steps, valid_slots)
+
+DEFAULTS = dict(feature_weight=1.0, token_weight=0.1, noise=0.2, ttt_steps=1, step_decay=0.8, eval_depths=4)
+
+
+@register_head("eagle")
+class EagleHead(DraftHead):
+    def __init__(self, target_config, **options):
+        opts = resolve_options("eagle", DEFAULTS, options)
+        positive_int("eagle", opts, "ttt_steps", "eval_depths")
+        require(opts["noise"] >= 0, f"head 'eagle': noise must be >= 0, got {opts['noise']}")
+        super().__init__(target_config, **opts)
+        h = target_config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList([new_decoder_layer(target_config)])
+        self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1: fc's output goes straight into attention
+
+    @property
+    def num_depths(self) -> int:
+        return max(self.options["ttt_steps"], self.options["eval_depths"])
+
+    @property
+    def max_draft_depth(self) -> int | None:
+        return None  # feature autoregression drafts as deep as asked
+
+    def step(self, emb: Tensor, feature: Tensor, positions: Tensor, kv, mask) -> Tensor:
+        """(embed(x_{t+1}), f_t) at `positions` -> predicted f_{t+1}; all [B, n, h]."""
+        x = self.fc(torch.cat([emb, feature], -1))
+        return self.layers[0](x, attention_mask=mask, position_embeddings=rotary(self.frozen, x, positions),
+                              cache=kv)
+
+    def unroll(self, input_ids: Tensor, feature: Tensor, steps: int) -> list[Tensor]:
+        """Predicted features by step, indexed by query position t (step j reads step j-1's output)."""
+        return unroll_steps(self.step, self.embed(shift_left(input_ids, 1)), feature, steps)
+
+    def anchor_logits(self, input_ids: Tensor, feats: TargetFeatures, steps: int | None = None) -> list[Tensor]:
+        """Teacher-forced drafts: [d-1] = logits [B, T, V] of the depth-d draft from each anchor c."""
+        outs = self.unroll(input_ids, feats.last_hidden, steps or self.num_depths)
+        return by_anchor([self.target_logits(o) for o in outs])
+
+    # ----------------------------------------------------------------------------------- training
+    def forward(self, input_ids: Tensor, loss_mask: Tensor, feats: TargetFeatures):
+        o = self.options
+        f = feats.last_hidden  # [B, T, h]
+        trained = o["ttt_steps"]
+        steps = trained if self.training else self.num_depths
+        noisy = f + (torch.rand_like(f) - 0.5) * o["noise"] if self.training and o["noise"] else f
+        outs = self.unroll(input_ids, noisy, steps)  # [B, T, h] per step: query t predicts f_{t+1}
+        f_next = shift_left(f, 1)
+        p_next = shift_left(target_logits_of(self, feats), 1)  # target's distribution of x_{t+2}
+        t = torch.arange(f.shape[1], device=f.device)[None]
+        loss, logits_by_step, metrics = 0.0, [], {}
+        for j, out in enumerate(outs):
+            logits = self.target_logits(out)
+            logits_by_step.append(logits.detach())
+            if j >= trained:
+                continue
+            scored = shift_left(loss_mask.bool(), 2, fill=False) & (t >= j)  # x_{t+2} is learnt, anchor >= 0
+            feat_loss = masked_mean(F.smooth_l1_loss(out.float(), f_next.float(), reduction="none").mean(-1), scored)
+            token_loss = masked_mean(soft_cross_entropy(logits, p_next), scored)
+            loss = loss + o["step_decay"] ** j * (o["feature_weight"] * feat_loss + o["token_weight"] * token_loss)
+            metrics[f"feature_loss{j}"], metrics[f"token_loss{j}"] = feat_loss.detach(), token_loss.detach()
+        preds = [lg.argmax(-1) for lg in by_anchor(logits_by_step)]
+        preds += [torch.zeros_like(input_ids)] * (self.num_depths - steps)
+        computed = [torch.full_like(loss_mask, d < steps, dtype=torch.bool) for d in range(self.num_depths)]
+        correct, count = chain_accuracy(preds, input_ids, loss_mask, computed)
+        return head_loss(loss, correct, count, **metrics)
+
+    # ---------------------------------------------------------------------------------- inference
+    def draft_state(self, batch_size: int, max_len: int) -> ContextDraftState:
+        return ContextDraftState(ContextKV(batch_size, max_len))
+
+    def draft_begin(self, state: ContextDraftState, tokens, feats: TargetFeatures, positions, num_valid):
+        valid = valid_slots(num_valid, tokens.shape[1])
+        out = context_begin(state.context, self.step, self.embed(tokens), feats.last_hidden, positions, valid)
+        state.tree, state.last_pos = DraftTree(), last_valid(positions, num_valid)
+        hidden = last_valid(out, num_valid)  # f^_m
+        return self.target_logits(hidden), hidden
+
+    def draft_expand(self, state: ContextDraftState, depth: int, tokens, parent_hidden, parents, positions):
+        out = tree_expand(state, self.step, depth, self.embed(tokens), parent_hidden, parents)
+        return self.target_logits(out), out
+
+    def draft_end(self, state: ContextDraftState) -> None:
+        state.tree = DraftTree()
