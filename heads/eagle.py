@@ -7,7 +7,7 @@ frozen target LM head turns it into the distribution of x_{t+2}. Drafting deeper
 feature back in: `draft_expand` at depth d runs at position m - 1 + d on its parent's predicted feature.
 
 Loss: feature_weight x SmoothL1(f^_{t+1}, f_{t+1}) + token_weight x soft CE to the target's distribution of
-x_{t+2}, with uniform noise U(-noise/2, noise/2) added to the input features while training (EAGLE's
+x_{t+2} (reported as KL: the soft CE minus the target's entropy), with uniform noise U(-noise/2, noise/2) added to the input features while training (EAGLE's
 "std 0.2" uniform noise). `ttt_steps` > 1 also trains on its own predicted features (EAGLE-3-style training-
 time test, step weights 0.8^i); EAGLE-1 uses 1.
 
@@ -25,16 +25,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import DraftHead, TargetFeatures, register_head
-from heads.layers import (ContextDraftState, ContextKV, DraftTree, by_anchor, chain_accuracy, context_begin,
-                          head_loss, last_valid, masked_mean, new_decoder_layer, positive_int, require,
-                          resolve_options, rotary, shift_left, soft_cross_entropy, target_logits_of,
-                          tree_expand, unroll_steps, valid_slots)
+from heads.layers import (OneLayerDrafting, head_loss, kl_to_target, masked_mean, new_decoder_layer,
+                          positive_int, require, resolve_options, rotary, shift_left, target_logits_of,
+                          unrolled_accuracy)
 
 DEFAULTS = dict(feature_weight=1.0, token_weight=0.1, noise=0.2, ttt_steps=1, step_decay=0.8, eval_depths=4)
 
 
 @register_head("eagle")
-class EagleHead(DraftHead):
+class EagleHead(OneLayerDrafting, DraftHead):
     def __init__(self, target_config, **options):
         opts = resolve_options("eagle", DEFAULTS, options)
         positive_int("eagle", opts, "ttt_steps", "eval_depths")
@@ -59,14 +58,11 @@ class EagleHead(DraftHead):
         return self.layers[0](x, attention_mask=mask, position_embeddings=rotary(self.frozen, x, positions),
                               cache=kv)
 
-    def unroll(self, input_ids: Tensor, feature: Tensor, steps: int) -> list[Tensor]:
-        """Predicted features by step, indexed by query position t (step j reads step j-1's output)."""
-        return unroll_steps(self.step, self.embed(shift_left(input_ids, 1)), feature, steps)
+    def begin_hidden(self, feats: TargetFeatures) -> Tensor:
+        return feats.last_hidden
 
-    def anchor_logits(self, input_ids: Tensor, feats: TargetFeatures, steps: int | None = None) -> list[Tensor]:
-        """Teacher-forced drafts: [d-1] = logits [B, T, V] of the depth-d draft from each anchor c."""
-        outs = self.unroll(input_ids, feats.last_hidden, steps or self.num_depths)
-        return by_anchor([self.target_logits(o) for o in outs])
+    def vocab_logits(self, out: Tensor) -> Tensor:
+        return self.target_logits(out)
 
     # ----------------------------------------------------------------------------------- training
     def forward(self, input_ids: Tensor, loss_mask: Tensor, feats: TargetFeatures):
@@ -79,37 +75,16 @@ class EagleHead(DraftHead):
         f_next = shift_left(f, 1)
         p_next = shift_left(target_logits_of(self, feats), 1)  # target's distribution of x_{t+2}
         t = torch.arange(f.shape[1], device=f.device)[None]
-        loss, logits_by_step, metrics = 0.0, [], {}
+        loss, preds, metrics = 0.0, [], {}
         for j, out in enumerate(outs):
             logits = self.target_logits(out)
-            logits_by_step.append(logits.detach())
+            preds.append(logits.detach().argmax(-1))
             if j >= trained:
                 continue
             scored = shift_left(loss_mask.bool(), 2, fill=False) & (t >= j)  # x_{t+2} is learnt, anchor >= 0
             feat_loss = masked_mean(F.smooth_l1_loss(out.float(), f_next.float(), reduction="none").mean(-1), scored)
-            token_loss = masked_mean(soft_cross_entropy(logits, p_next), scored)
+            token_loss = masked_mean(kl_to_target(logits, p_next), scored)
             loss = loss + o["step_decay"] ** j * (o["feature_weight"] * feat_loss + o["token_weight"] * token_loss)
             metrics[f"feature_loss{j}"], metrics[f"token_loss{j}"] = feat_loss.detach(), token_loss.detach()
-        preds = [lg.argmax(-1) for lg in by_anchor(logits_by_step)]
-        preds += [torch.zeros_like(input_ids)] * (self.num_depths - steps)
-        computed = [torch.full_like(loss_mask, d < steps, dtype=torch.bool) for d in range(self.num_depths)]
-        correct, count = chain_accuracy(preds, input_ids, loss_mask, computed)
+        correct, count = unrolled_accuracy(preds, self.num_depths, input_ids, loss_mask)
         return head_loss(loss, correct, count, **metrics)
-
-    # ---------------------------------------------------------------------------------- inference
-    def draft_state(self, batch_size: int, max_len: int) -> ContextDraftState:
-        return ContextDraftState(ContextKV(batch_size, max_len))
-
-    def draft_begin(self, state: ContextDraftState, tokens, feats: TargetFeatures, positions, num_valid):
-        valid = valid_slots(num_valid, tokens.shape[1])
-        out = context_begin(state.context, self.step, self.embed(tokens), feats.last_hidden, positions, valid)
-        state.tree, state.last_pos = DraftTree(), last_valid(positions, num_valid)
-        hidden = last_valid(out, num_valid)  # f^_m
-        return self.target_logits(hidden), hidden
-
-    def draft_expand(self, state: ContextDraftState, depth: int, tokens, parent_hidden, parents, positions):
-        out = tree_expand(state, self.step, depth, self.embed(tokens), parent_hidden, parents)
-        return self.target_logits(out), out
-
-    def draft_end(self, state: ContextDraftState) -> None:
-        state.tree = DraftTree()

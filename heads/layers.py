@@ -317,10 +317,11 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def soft_cross_entropy(logits: Tensor, target_logits: Tensor) -> Tensor:
-    """-sum_v p_target(v) log q(v) per position, [..., V] -> [...] (fp32)."""
-    p = target_logits.float().softmax(-1)
-    return -(p * logits.float().log_softmax(-1)).sum(-1)
+def kl_to_target(logits: Tensor, target_logits: Tensor) -> Tensor:
+    """KL(p_target || q) per position, [..., V] -> [...] (fp32): the soft cross-entropy to the target minus
+    the target's entropy, so same gradient, and 0 means the head matches the target."""
+    log_p = target_logits.float().log_softmax(-1)
+    return (log_p.exp() * (log_p - logits.float().log_softmax(-1))).sum(-1)
 
 
 def target_logits_of(head, feats: TargetFeatures) -> Tensor:
@@ -379,3 +380,45 @@ def unroll_steps(step, emb: Tensor, first_hidden: Tensor, steps: int) -> list[Te
 def by_anchor(step_values: list[Tensor]) -> list[Tensor]:
     """Step j's values at query t belong to the draft from anchor c = t - j + 1: re-index by anchor."""
     return [shift_left(v, j) for j, v in enumerate(step_values)]
+
+
+def unrolled_accuracy(preds_by_step: list[Tensor], num_depths: int, input_ids: Tensor, loss_mask: Tensor):
+    """Chain accuracies from the steps that were unrolled (query-indexed argmax ids); deeper depths get
+    count 0 (training mode runs only the trained steps)."""
+    steps = len(preds_by_step)
+    preds = by_anchor(preds_by_step) + [torch.zeros_like(input_ids)] * (num_depths - steps)
+    computed = [torch.full_like(loss_mask, d < steps, dtype=torch.bool) for d in range(num_depths)]
+    return chain_accuracy(preds, input_ids, loss_mask, computed)
+
+
+class OneLayerDrafting:
+    """Inference hooks and teacher-forced drafts for heads with one attention layer over the committed
+    context and the tree (EAGLE, EAGLE-3). The head provides `step(emb, hidden, positions, kv, mask)`,
+    `begin_hidden(feats)` (its input hidden from target features) and `vocab_logits(out)` ([..., V])."""
+
+    def anchor_logits(self, input_ids: Tensor, feats: TargetFeatures, steps: int | None = None) -> list[Tensor]:
+        """Teacher-forced drafts: [d-1] = logits [B, T, V] of the depth-d draft from each anchor c."""
+        outs = self.unroll(input_ids, self.begin_hidden(feats), steps or self.num_depths)
+        return by_anchor([self.vocab_logits(o) for o in outs])
+
+    def unroll(self, input_ids: Tensor, first_hidden: Tensor, steps: int) -> list[Tensor]:
+        """Outputs [B, T, h] of each unrolled step by query position t (the step drafts x_{t+2})."""
+        return unroll_steps(self.step, self.embed(shift_left(input_ids, 1)), first_hidden, steps)
+
+    def draft_state(self, batch_size: int, max_len: int) -> ContextDraftState:
+        return ContextDraftState(ContextKV(batch_size, max_len))
+
+    def draft_begin(self, state: ContextDraftState, tokens, feats: TargetFeatures, positions, num_valid):
+        valid = valid_slots(num_valid, tokens.shape[1])
+        out = context_begin(state.context, self.step, self.embed(tokens), self.begin_hidden(feats), positions,
+                            valid)
+        state.tree, state.last_pos = DraftTree(), last_valid(positions, num_valid)
+        hidden = last_valid(out, num_valid)  # [B, h] the root: drafts x_{m+1}
+        return self.vocab_logits(hidden), hidden
+
+    def draft_expand(self, state: ContextDraftState, depth: int, tokens, parent_hidden, parents, positions):
+        out = tree_expand(state, self.step, depth, self.embed(tokens), parent_hidden, parents)
+        return self.vocab_logits(out), out
+
+    def draft_end(self, state: ContextDraftState) -> None:
+        state.tree = DraftTree()

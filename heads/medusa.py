@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from heads.base import DraftHead, HeadError, TargetFeatures, register_head
 from heads.layers import (chain_accuracy, head_loss, labels_at_depth, last_valid, masked_mean, positive_int,
-                          resolve_options, soft_cross_entropy, target_logits_of)
+                          resolve_options, kl_to_target, target_logits_of)
 
 DEFAULTS = dict(num_heads=4, num_layers=1, decay=0.8, loss="ce")
 CHOICES = dict(loss=("ce", "kl"))
@@ -81,7 +81,7 @@ class MedusaHead(DraftHead):
             labels, scored = labels_at_depth(input_ids, loss_mask, k + 1)
             if kl:
                 p_logits = torch.cat([target[:, k + 1:], target[:, -1:].expand(-1, k + 1, -1)], 1)
-                per_pos = soft_cross_entropy(logits, p_logits) - entropy(p_logits)  # KL(p || q)
+                per_pos = kl_to_target(logits, p_logits)
             else:
                 per_pos = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
                 per_pos = per_pos.view_as(labels)
@@ -108,8 +108,3 @@ class MedusaHead(DraftHead):
 
     def draft_end(self, state: MedusaState) -> None:
         pass
-
-
-def entropy(logits: Tensor) -> Tensor:  # [..., V] -> [...]
-    logp = logits.float().log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1)

@@ -4,10 +4,8 @@ weights, and drafts with its KV cache exactly what its teacher-forced forward co
 import pytest
 import torch
 
-from head_helpers import KINDS, features, make_head, yaml_options
-from heads.base import HeadError, TargetFeatures, build_head, load_head, save_head
-
-DEPTHS = 3  # chain depth checked by the cache-equivalence tests
+from head_helpers import KINDS, at_anchor, begin, check_cached_chain, features, make_head, yaml_options
+from heads.base import HeadError, build_head, load_head, save_head
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -58,56 +56,9 @@ def test_target_weights_stay_out_of_the_head(kind, target):
     assert not any("embed_tokens" in name for name in head.state_dict())
 
 
-# ------------------------------------------------------------------------------ cached drafting
-
-def gather_feats(feats: TargetFeatures, index: torch.Tensor) -> TargetFeatures:
-    """Per-row time gather: feats at positions index [B, n]."""
-    def take(x):
-        return torch.gather(x, 1, index[:, :, None].expand(-1, -1, x.shape[-1]))
-    return TargetFeatures({k: take(v) for k, v in feats.hidden_states.items()}, feats.num_layers)
-
-
-def begin(head, state, input_ids, feats, start, stop):
-    """Commit features at positions start..stop-1 (and tokens start+1..stop) for each row."""
-    n = int((stop - start).max())
-    pos = (start[:, None] + torch.arange(n)[None]).clamp(max=input_ids.shape[1] - 2)
-    tokens = torch.gather(input_ids, 1, pos + 1)
-    return head.draft_begin(state, tokens, gather_feats(feats, pos), pos, stop - start)
-
-
-def chain(head, state, input_ids, root_hidden, m, depths):
-    """Expand a one-node-per-depth chain along the true tokens x_{m+1}, x_{m+2}, ...; logits per depth."""
-    out, hidden = [], root_hidden[:, None]
-    for d in range(1, depths):
-        tokens = torch.gather(input_ids, 1, (m + d)[:, None])  # x_{m+d}
-        parents = torch.full_like(tokens, d - 2)  # the previous chain node (-1: the root)
-        logits, hidden = head.draft_expand(state, d, tokens, hidden, parents, (m - 1 + d)[:, None])
-        out.append(logits[:, 0])
-    return out
-
-
-def at_anchor(logits: torch.Tensor, m: torch.Tensor) -> torch.Tensor:  # [B, T, V] at anchor m-1 -> [B, V]
-    return logits[torch.arange(logits.shape[0]), m - 1]
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_cached_chain_equals_teacher_forced_forward(kind, target, batch):
-    head = make_head(kind, target, seed=2).eval()
-    ids = batch["input_ids"]
-    feats = features(head, target, batch)
-    depths = min(DEPTHS, head.max_draft_depth or DEPTHS)
-    with torch.no_grad():
-        reference = head.anchor_logits(ids, feats)  # [d-1]: depth-d logits [B, T, V] by anchor
-        state = head.draft_state(ids.shape[0], ids.shape[1])
-        start = torch.zeros(ids.shape[0], dtype=torch.long)
-        for m in (torch.tensor([5, 9, 6, 7]), torch.tensor([8, 10, 12, 9]), torch.tensor([9, 13, 15, 10])):
-            logits, hidden = begin(head, state, ids, feats, start, m)  # ragged num_valid per row
-            drafted = [logits] + chain(head, state, ids, hidden, m, depths)
-            for d, got in enumerate(drafted):
-                torch.testing.assert_close(got, at_anchor(reference[d], m), rtol=1e-4, atol=1e-4,
-                                           msg=lambda s: f"depth {d + 1}, committed {m.tolist()}: {s}")
-            head.draft_end(state)
-            start = m
+    check_cached_chain(make_head(kind, target, seed=2).eval(), target, batch)
 
 
 @pytest.mark.parametrize("kind", KINDS)

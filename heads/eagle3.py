@@ -1,0 +1,155 @@
+"""EAGLE-3 (Li et al. 2025): fused multi-layer features, a reduced draft vocabulary, training-time test.
+
+g_t = fc(cat(hidden_states[a] for a in aux_layers)) fuses a low, a middle and a high layer of the target
+(`aux_layers` are hidden_states indices, i.e. the *inputs* of those decoder layers; default
+[2, N//2, N-3] sorted, as EAGLE-3's code and vLLM's `eagle_aux_hidden_state_layer_ids` count them). One
+decoder layer (`midlayer`) attends over cat(input_layernorm(embed(x_{t+1})), hidden_norm(g_t)) (q/k/v read
+2h) with g_t as the residual; its output o_t (pre-norm) is the next step's hidden, and lm_head(norm(o_t))
+gives logits over the draft vocabulary for x_{t+2}.
+
+Draft vocabulary: the `draft_vocab_size` most frequent loss-masked training tokens (ties: lower id first),
+chosen by `init_from_data(token_counts)`; stored as buffers `d2t` (int64 [Vd], target_id = draft_id +
+d2t[draft_id], ids ascending) and `t2d` (bool [V]). Without data it is the first Vd ids. `lm_head` starts
+from the target's rows for the draft vocabulary and `norm` from the target's final norm. Inference hooks
+return logits over the *target* vocabulary (-inf outside the draft vocabulary).
+
+Training-time test: the drafter is unrolled `ttt_steps` times on its own outputs (step j at position t reads
+the output of step j-1 at t-1 and sees the true context up to its anchor plus its chain ancestors: exactly
+what tree drafting sees), loss = sum_j step_decay^j x soft CE to the target's distribution restricted to the
+draft vocabulary (renormalised; reported as KL). Anchors use 3 to 7 steps; 3 keeps CPU runs cheap. The per-step (chain-
+conditional) accuracies are the depth accuracies; eval mode unrolls max(ttt_steps, eval_depths) steps.
+
+Parameter names follow the EAGLE-3 serving layout: `fc`, `midlayer.{input_layernorm, hidden_norm,
+post_attention_layernorm, self_attn.*, mlp.*}`, `norm`, `lm_head`, `d2t`, `t2d` (no embedding).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from heads.base import DraftHead, TargetFeatures, check_layer_ids, register_head
+from heads.layers import (OneLayerDrafting, head_loss, kl_to_target, masked_mean, new_decoder_layer,
+                          new_rms_norm, positive_int, require, resolve_options, rotary, shift_left,
+                          unrolled_accuracy)
+
+DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4)
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    return sorted(min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3))
+
+
+@register_head("eagle3")
+class Eagle3Head(OneLayerDrafting, DraftHead):
+    def __init__(self, target_config, **options):
+        opts = resolve_options("eagle3", DEFAULTS, options)
+        positive_int("eagle3", opts, "draft_vocab_size", "ttt_steps", "eval_depths")
+        N, h, V = target_config.num_hidden_layers, target_config.hidden_size, target_config.vocab_size
+        aux = opts["aux_layers"]
+        aux = default_aux_layers(N) if aux is None else [int(i) for i in aux]
+        require(len(aux) >= 1, "head 'eagle3': aux_layers must name at least one hidden-state index")
+        check_layer_ids(aux, N)
+        super().__init__(target_config, **opts)
+        self.aux_layers = aux
+        self.draft_vocab_size = min(opts["draft_vocab_size"], V)
+
+        self.fc = nn.Linear(len(aux) * h, h, bias=False)
+        self.midlayer = new_decoder_layer(target_config)
+        self.midlayer.hidden_norm = new_rms_norm(self.midlayer, target_config)
+        attn = self.midlayer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):  # attention reads cat(embedding, fused feature): 2h wide
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        self.norm = new_rms_norm(self.midlayer, target_config)
+        self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(V) < self.draft_vocab_size)
+
+    # ------------------------------------------------------------------------- draft vocabulary
+    @property
+    def draft_ids(self) -> Tensor:  # [Vd] target id of each draft id
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def init_from_target(self) -> None:
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.frozen["lm_head"].weight[self.draft_ids])
+            self.norm.weight.copy_(self.frozen["norm"].weight)
+
+    def init_from_data(self, token_counts: Tensor) -> None:
+        """Keep the Vd most frequent target tokens (ties: lower id first) as the draft vocabulary."""
+        V = self.target_config.vocab_size
+        require(token_counts.shape == (V,), f"token_counts must have shape [{V}], got {tuple(token_counts.shape)}")
+        order = torch.sort(token_counts.long().cpu(), descending=True, stable=True).indices
+        ids = order[: self.draft_vocab_size].sort().values.to(self.d2t.device)
+        self.d2t.copy_(ids - torch.arange(self.draft_vocab_size, device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+        if self.frozen:
+            self.init_from_target()
+
+    def to_target_vocab(self, draft_logits: Tensor) -> Tensor:  # [..., Vd] -> [..., V], -inf off-vocab
+        full = draft_logits.new_full(draft_logits.shape[:-1] + (self.target_config.vocab_size,), float("-inf"))
+        return full.index_copy(-1, self.draft_ids, draft_logits)
+
+    # ------------------------------------------------------------------------------------ network
+    def feature_layers(self) -> list[int]:
+        return sorted(set(self.aux_layers) | {self.target_config.num_hidden_layers})
+
+    @property
+    def num_depths(self) -> int:
+        return max(self.options["ttt_steps"], self.options["eval_depths"])
+
+    @property
+    def max_draft_depth(self) -> int | None:
+        return None
+
+    def fuse(self, feats: TargetFeatures) -> Tensor:  # -> g [B, T, h]
+        return self.fc(torch.cat([feats.hidden_states[i] for i in self.aux_layers], -1))
+
+    def step(self, emb: Tensor, hidden: Tensor, positions: Tensor, kv, mask) -> Tensor:
+        """(embed(x_{t+1}), hidden_t) -> o_t, the pre-norm output that is also the next step's hidden."""
+        layer = self.midlayer
+        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], -1)  # [B, n, 2h]
+        attn, _ = layer.self_attn(hidden_states=x, position_embeddings=rotary(self.frozen, x, positions),
+                                  attention_mask=mask, cache=kv)
+        h = hidden + attn
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def draft_logits(self, out: Tensor) -> Tensor:  # [..., h] -> [..., Vd]
+        return self.lm_head(self.norm(out))
+
+    def begin_hidden(self, feats: TargetFeatures) -> Tensor:
+        return self.fuse(feats)
+
+    def vocab_logits(self, out: Tensor) -> Tensor:  # [..., h] -> [..., V] over the target vocabulary
+        return self.to_target_vocab(self.draft_logits(out))
+
+    # ----------------------------------------------------------------------------------- training
+    def forward(self, input_ids: Tensor, loss_mask: Tensor, feats: TargetFeatures):
+        o = self.options
+        trained = o["ttt_steps"]
+        steps = trained if self.training else self.num_depths
+        outs = self.unroll(input_ids, self.fuse(feats), steps)  # [B, T, h] per step, query t drafts x_{t+2}
+        p_next = shift_left(self.target_draft_logits(feats), 1)  # target's x_{t+2} logits on the draft vocab
+        t = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        loss, preds, metrics = 0.0, [], {}
+        for j, out in enumerate(outs):
+            logits = self.draft_logits(out)  # [B, T, Vd]
+            preds.append(self.draft_ids[logits.detach().argmax(-1)])
+            if j >= trained:
+                continue
+            scored = shift_left(loss_mask.bool(), 2, fill=False) & (t >= j)
+            step_loss = masked_mean(kl_to_target(logits, p_next), scored)
+            loss = loss + o["step_decay"] ** j * step_loss
+            metrics[f"loss_step{j}"] = step_loss.detach()
+        correct, count = unrolled_accuracy(preds, self.num_depths, input_ids, loss_mask)
+        return head_loss(loss, correct, count, **metrics)
+
+    @torch.no_grad()
+    def target_draft_logits(self, feats: TargetFeatures) -> Tensor:
+        """The target's logits restricted to the draft vocabulary, [B, T, Vd]."""
+        if feats.logits is not None:
+            return feats.logits[..., self.draft_ids].float()
+        weight = self.frozen["lm_head"].weight[self.draft_ids]  # only Vd rows of the target's LM head
+        return (feats.last_hidden @ weight.T).float()

@@ -1,0 +1,53 @@
+"""EAGLE-3 specifics: the reduced draft vocabulary (d2t/t2d) and the aux-layer ids."""
+
+import pytest
+import torch
+
+from head_helpers import check_cached_chain, features, make_head
+from heads.base import HeadError, load_head, save_head
+from heads.eagle3 import default_aux_layers
+
+VD = 64
+
+
+@pytest.fixture
+def small_vocab_head(target):
+    head = make_head("eagle3", target, draft_vocab_size=VD)
+    V = target.config.vocab_size
+    counts = torch.zeros(V, dtype=torch.long)
+    counts[100:200] = 5  # 100 tied tokens: the lower ids win the 60 places left
+    counts[[7, 250, 3, 42]] = torch.tensor([50, 40, 30, 20])
+    head.init_from_data(counts)
+    return head.eval()
+
+
+def test_draft_vocab_keeps_the_most_frequent_tokens(small_vocab_head, target):
+    head = small_vocab_head
+    expected = torch.tensor(sorted([3, 7, 42, 250] + list(range(100, 160))))
+    torch.testing.assert_close(torch.arange(VD) + head.d2t, expected)  # target_id = draft_id + d2t[draft_id]
+    assert head.d2t.dtype == torch.long and head.t2d.dtype == torch.bool
+    assert head.t2d.sum() == VD and head.t2d[expected].all()
+    torch.testing.assert_close(head.lm_head.weight, target.model.lm_head.weight[expected])
+
+
+def test_off_vocabulary_tokens_get_no_probability(small_vocab_head, target, batch):
+    head = small_vocab_head
+    with torch.no_grad():
+        logits = head.anchor_logits(batch["input_ids"], features(head, target, batch))[0]
+    assert torch.isinf(logits[..., ~head.t2d]).all() and torch.isfinite(logits[..., head.t2d]).all()
+
+
+def test_small_vocab_drafting_and_round_trip(small_vocab_head, target, batch, tmp_path):
+    check_cached_chain(small_vocab_head, target, batch)
+    save_head(small_vocab_head, tmp_path / "h")
+    loaded = load_head(tmp_path / "h", target)
+    assert torch.equal(loaded.d2t, small_vocab_head.d2t) and torch.equal(loaded.t2d, small_vocab_head.t2d)
+
+
+def test_aux_layers_default_and_range(target):
+    assert default_aux_layers(30) == [2, 15, 27]  # SmolLM2-135M: inputs of layers 2, 15 and 27
+    assert make_head("eagle3", target).aux_layers == default_aux_layers(4)
+    with pytest.raises(HeadError, match="out of range"):
+        make_head("eagle3", target, aux_layers=[1, 2, 9])
+    with pytest.raises(HeadError, match="token_counts"):
+        make_head("eagle3", target).init_from_data(torch.ones(5))
