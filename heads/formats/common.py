@@ -1,0 +1,199 @@
+"""Pieces every layout shares: the export error, provenance, tensor renaming, Llama config fields, atomic writes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+PROVENANCE_FILE = "headway.json"
+EMBEDDED_HUB_IDS = {"embedded:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+class ExportError(ValueError):
+    """An export that cannot be written or read back; the message says what to do."""
+
+
+def headway_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("headway")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def target_hub_id(spec: dict) -> str | None:
+    """The Hub id serving engines load the target from, when the recorded spec names one."""
+    path = spec.get("path") or ""
+    if path in EMBEDDED_HUB_IDS:
+        return EMBEDDED_HUB_IDS[path]
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") != 1 or ":" in path
+    return None if looks_local or Path(path).exists() else path
+
+
+@dataclass
+class Provenance:
+    """What every export records (`headway.json`) and what the reader rebuilds the head from."""
+
+    format: str
+    head_kind: str
+    options: dict
+    target: dict  # TargetSpec.to_dict() of the target the head was trained for
+    target_shape: dict
+    base_model: str | None  # Hub id of the target for serving commands and the card
+    num_speculative_tokens: int  # default draft length in the serving commands
+    headway_version: str = field(default_factory=headway_version)
+    source_sha256: str | None = None  # of the final/ weights the export came from
+    training: dict = field(default_factory=dict)  # the run's recorded training info, if any
+    layout_options: dict = field(default_factory=dict)  # per-layout switches (e.g. eagle: fc_bias)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Provenance":
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @property
+    def target_name(self) -> str:
+        return self.base_model or self.target.get("name") or self.target.get("path") or "the target"
+
+    @property
+    def revision(self) -> str | None:
+        return self.target.get("revision")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ tensors
+
+def rename(state: dict[str, Tensor], names: dict[str, str]) -> dict[str, Tensor]:
+    """{new: state[old]} for names = {new: old}, as contiguous CPU tensors (safetensors wants them)."""
+    return {new: state[old].detach().contiguous().cpu() for new, old in names.items()}
+
+
+def check_tensors(found: dict[str, Tensor], expected: dict[str, Tensor], where: str) -> None:
+    """The exact key set, shapes and dtypes a layout must have (expected = what the writer produces)."""
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise ExportError(f"{where} does not hold the expected tensors: missing {missing[:5]}, "
+                          f"unexpected {unexpected[:5]}; re-export it with scripts/export.py")
+    for key, ref in expected.items():
+        if found[key].shape != ref.shape or found[key].dtype != ref.dtype:
+            raise ExportError(f"{where}: tensor {key} is {found[key].dtype}{list(found[key].shape)}, "
+                              f"expected {ref.dtype}{list(ref.shape)}; re-export it with scripts/export.py")
+
+
+def require_zero(state: dict[str, Tensor], keys, layout: str) -> None:
+    """A head tensor the layout cannot hold must be zero, or the export would change the head."""
+    nonzero = [k for k in keys if bool(state[k].ne(0).any())]
+    if nonzero:
+        raise ExportError(f"format={layout} has no place for the nonzero tensors {nonzero}: "
+                          f"the serving engines would compute a different head; use format=auto")
+
+
+# ---------------------------------------------------------------------------------- Llama configs
+
+def llama_layer_fields(target_config, num_layers: int = 1) -> dict:
+    """Llama config fields that size one decoder layer like the target's (what engines rebuild it from)."""
+    cfg = target_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    fields = {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        "head_dim": head_dim,
+        "hidden_act": getattr(cfg, "hidden_act", "silu"),
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": bool(getattr(cfg, "attention_bias", False)),
+        "mlp_bias": bool(getattr(cfg, "mlp_bias", False)),
+        "tie_word_embeddings": False,
+        "bos_token_id": getattr(cfg, "bos_token_id", None),
+        "eos_token_id": getattr(cfg, "eos_token_id", None),
+        "torch_dtype": str(getattr(cfg, "dtype", None) or "float32").replace("torch.", ""),
+    }
+    fields.update(rope_fields(cfg))
+    return fields
+
+
+def rope_fields(cfg) -> dict:
+    """Rope settings in both spellings: engines on transformers 4.x read rope_theta/rope_scaling, 5.x reads
+    rope_parameters."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    out = {"rope_theta": theta, "rope_scaling": scaling}
+    if params:
+        out["rope_parameters"] = params
+    return out
+
+
+# ----------------------------------------------------------------------------------- atomic output
+
+def check_output(output: Path, overwrite: bool) -> None:
+    if output.exists() and not output.is_dir():
+        raise ExportError(f"output={output} is a file: pass a directory path")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ExportError(f"output={output} exists and is not empty: pass overwrite=true or another output=")
+
+
+def write_atomically(output: Path, fill: Callable[[Path], None], overwrite: bool) -> Path:
+    """Build the export in a temp folder next to `output`, then swap it in: a failure leaves `output` as it was."""
+    output = Path(output)
+    check_output(output, overwrite)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    try:
+        fill(tmp)
+        if output.exists():
+            old = output.with_name(f".{output.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(output, old)
+            os.replace(tmp, output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return output
+
+
+def save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+
+
+def load_tensors(path: Path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise ExportError(f"{path} is missing: re-export the head")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise ExportError(f"{path} is corrupted or unreadable ({exc}): re-export the head") from exc
+

@@ -1,0 +1,54 @@
+"""EAGLE-1/2 layout (`eagle`): vLLM `EagleLlamaForCausalLM` and SGLang `LlamaForCausalLMEagle`.
+
+headway's EAGLE head already uses the engines' names (`fc.weight`, `layers.0.*`, no input layernorm, no final
+norm, no LM head: the target's is shared), so the tensors are the identity map.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from heads.formats import Layout, Serve, register_layout
+from heads.formats.common import llama_layer_fields
+
+# SGLang resolves the first name, vLLM maps each to "Eagle" + name and resolves the first it knows:
+# "EagleLlamaForCausalLMEagle" is unknown to it, "EagleLlamaForCausalLM" is its EAGLE-1 model.
+ARCHITECTURES = ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"]
+
+
+def names(head) -> dict[str, str]:
+    return {key: key for key in head.state_dict()}
+
+
+def zero_fc_bias(head, prov) -> dict:
+    """SGLang builds `fc` with a bias and keeps its random init when the checkpoint has none."""
+    if not prov.layout_options.get("fc_bias"):
+        return {}
+    return {"fc.bias": torch.zeros(head.fc.weight.shape[0], dtype=head.fc.weight.dtype)}
+
+
+def config(head, prov) -> dict:
+    fields = llama_layer_fields(head.target_config)
+    return {"config.json": {"architectures": ARCHITECTURES, **fields}}
+
+
+def serve(where: str, prov) -> list[Serve]:
+    k = prov.num_speculative_tokens
+    spec = json.dumps({"method": "eagle", "model": where, "num_speculative_tokens": k})
+    sglang = (f"python -m sglang.launch_server --model-path {prov.target_name} --speculative-algorithm EAGLE "
+              f"--speculative-draft-model-path {where} --speculative-num-steps {k} --speculative-eagle-topk 8 "
+              f"--speculative-num-draft-tokens 64")
+    return [Serve("vLLM", f"vllm serve {prov.target_name} --speculative-config '{spec}'"), Serve("SGLang", sglang)]
+
+
+register_layout(Layout(
+    name="eagle", head_kind="eagle", primary=True, weights_file="model.safetensors",
+    tensor_names=names, configs=config, serve=serve, library_name="vllm", extra_tensors=zero_fc_bias,
+    description="EAGLE-1 layout: `fc.weight` [h, 2h] over `cat(embed(x_t+1), f_t)` (no bias), one Llama "
+                "decoder layer `layers.0.*` without `input_layernorm`, no final norm and no LM head (the "
+                "target's embedding and LM head are shared); `config.json` is a one-layer Llama config with "
+                "architectures `LlamaForCausalLMEagle` (SGLang) and `EagleLlamaForCausalLM` (vLLM).",
+    notes=("SGLang's `LlamaForCausalLMEagle` builds `fc` with a bias; this export has none unless it was made "
+           "with `eagle_fc_bias=true` (a zero `fc.bias`, which vLLM ignores). Use that export for SGLang.",)))

@@ -1,0 +1,320 @@
+"""Export layouts: exact key sets and configs the engines read, bit-exact reload into the headway head, an
+engine-style forward computed from the exported files alone, model cards, and bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from safetensors.torch import load_file, save_file
+
+from heads.base import build_head, compute_features, save_head
+from heads.formats import LAYOUTS, ExportError
+from heads.formats.io import export_head, load_export
+from heads.target import load_target
+
+ROOT = Path(__file__).resolve().parents[2]
+torch.set_num_threads(1)
+
+# Tiny target: hidden 64, 4 heads of 16 (2 kv heads), intermediate 128, vocab 259, 4 layers.
+H, V, I, KV = 64, 259, 128, 32
+LAYER = {  # one Llama decoder layer of the tiny target, without input_layernorm
+    "self_attn.q_proj.weight": [H, H], "self_attn.k_proj.weight": [KV, H], "self_attn.v_proj.weight": [KV, H],
+    "self_attn.o_proj.weight": [H, H], "post_attention_layernorm.weight": [H],
+    "mlp.gate_proj.weight": [I, H], "mlp.up_proj.weight": [I, H], "mlp.down_proj.weight": [H, I]}
+
+HEADS = {  # kind -> options used here (small, but every structural option away from 1 where it matters)
+    "medusa": dict(num_heads=2, num_layers=2),
+    "eagle": dict(),
+}
+
+# The exact tensors (name -> shape) each layout must hold for the heads above.
+EXPECTED = {
+    "medusa": {**{f"blocks.{i}.layers.{j}.{p}": [H, H] if p == "weight" else [H]
+                  for i in range(2) for j in range(2) for p in ("weight", "bias")},
+               "lm_heads.0.weight": [V, H], "lm_heads.1.weight": [V, H]},
+    "medusa-original": {**{f"{i}.{j}.linear.{p}": [H, H] if p == "weight" else [H]
+                           for i in range(2) for j in range(2) for p in ("weight", "bias")},
+                        "0.2.weight": [V, H], "1.2.weight": [V, H]},
+    "eagle": {"fc.weight": [H, 2 * H], **{f"layers.0.{k}": s for k, s in LAYER.items()}},
+}
+FILES = {"medusa-original": "medusa_lm_head.safetensors"}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target({"path": "tiny-random", "name": "tiny-random"})
+
+
+@pytest.fixture(scope="module")
+def finals(target, tmp_path_factory):
+    """kind -> a final/ folder holding a head with random (non-initial) weights, and the head itself."""
+    out = {}
+    for kind, options in HEADS.items():
+        torch.manual_seed(0)
+        head = build_head(kind, target, **options)
+        with torch.no_grad():  # away from init: zero-init blocks would hide a wrong mapping
+            for p in head.parameters():
+                p.normal_(0, 0.2)
+        folder = tmp_path_factory.mktemp(kind) / "final"
+        save_head(head, folder, extra={"training": {"steps": 7, "data": {"source": "org/chat-data"},
+                                                    "optimizer": {"lr": 1e-4}}})
+        out[kind] = (folder, head.eval())
+    return out
+
+
+def draft(head, target, ids):
+    """Draft logits of the first two tree levels (root + 2 children) after committing `ids` [1, T]."""
+    T = ids.shape[1]
+    feats = compute_features(target.model, ids, None, head.feature_layers()).slice((slice(None), slice(None, -1)))
+    positions = torch.arange(T - 1)[None]
+    with torch.no_grad():
+        state = head.draft_state(1, T + 8)
+        logits, hidden = head.draft_begin(state, ids[:, 1:], feats, positions, torch.tensor([T - 1]))
+        children = logits.topk(2).indices  # [1, 2]
+        logits2, _ = head.draft_expand(state, 1, children, hidden[:, None].expand(-1, 2, -1),
+                                       torch.full_like(children, -1), torch.full_like(children, T - 1))
+        head.draft_end(state)
+    return logits, logits2
+
+
+def prompt_ids(target):
+    return target.tokenizer("Hello there, how are you doing today?", return_tensors="pt")["input_ids"]
+
+
+@pytest.mark.parametrize("fmt", sorted(EXPECTED))
+def test_layout_keys_reload_and_card(fmt, target, finals, tmp_path):
+    kind = LAYOUTS[fmt].head_kind
+    final, head = finals[kind]
+    out = export_head(final, tmp_path / fmt, fmt, target=target)
+    weights = FILES.get(fmt, "model.safetensors")
+    assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", "config.json", "headway.json", weights])
+    tensors = load_file(str(out / weights))
+    assert {k: list(v.shape) for k, v in tensors.items()} == EXPECTED[fmt]
+
+    back = load_export(out, target=target)
+    for name, value in head.state_dict().items():
+        assert torch.equal(back.state_dict()[name], value), name
+    for got, want in zip(draft(back, target, prompt_ids(target)), draft(head, target, prompt_ids(target))):
+        assert torch.equal(got, want)
+
+    prov = json.loads((out / "headway.json").read_text())
+    assert prov["format"] == fmt and prov["head_kind"] == kind and prov["target"]["name"] == "tiny-random"
+    assert prov["headway_version"] and len(prov["source_sha256"]) == 64
+    card = ModelCard.load(out / "README.md")
+    assert card.data.license == "apache-2.0" and "speculative-decoding" in card.data.tags
+    assert card.data.datasets == ["org/chat-data"] and card.data.library_name
+    assert "## Serving" in card.text and "steps: `7`" in card.text
+
+
+def test_format_auto_picks_the_primary_layout(target, finals, tmp_path):
+    for kind, want in (("medusa", "medusa"), ("eagle", "eagle")):
+        out = export_head(finals[kind][0], tmp_path / kind, "auto", target=target)
+        assert json.loads((out / "headway.json").read_text())["format"] == want
+
+
+# --------------------------------------------------------------------------- engine-side forwards
+
+def test_medusa_configs_and_engine_forward(target, finals, tmp_path):
+    final, head = finals["medusa"]
+    out = export_head(final, tmp_path / "m", "medusa", target=target)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["MedusaModel"] and cfg["model_type"] == "medusa"
+    assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["medusa_fc_bias"]) == (2, 2, True)
+    # vLLM's MedusaConfig renames every top-level key holding "num" + "heads"/"layers": only these two may.
+    assert [k for k in cfg if "num" in k and ("heads" in k or "layers" in k)] == ["num_heads", "num_hidden_layers"]
+    orig = export_head(final, tmp_path / "o", "medusa-original", target=target)
+    ocfg = json.loads((orig / "config.json").read_text())
+    assert (ocfg["medusa_num_heads"], ocfg["medusa_num_layers"]) == (2, 2)
+    assert ocfg["base_model_name_or_path"] == "tiny-random"
+
+    # vLLM's forward from the files alone: x <- x + SiLU(W x + b) per layer, then lm_heads.i
+    w = load_file(str(out / "model.safetensors"))
+    ids = prompt_ids(target)
+    f = compute_features(target.model, ids, None, []).last_hidden[:, -2]  # newest committed feature
+    x = f
+    for j in range(2):
+        x = x + torch.nn.functional.silu(x @ w[f"blocks.0.layers.{j}.weight"].T + w[f"blocks.0.layers.{j}.bias"])
+    torch.testing.assert_close(x @ w["lm_heads.0.weight"].T, draft(head, target, ids)[0])
+
+
+def test_eagle_config_and_engine_forward(target, finals, tmp_path):
+    """vLLM/SGLang EAGLE-1: h = fc(cat(embed, f)); h = h + attn(h); h = h + mlp(post_norm(h)); target lm_head."""
+    from transformers import AutoConfig, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    final, head = finals["eagle"]
+    out = export_head(final, tmp_path / "e", "eagle", target=target)
+    cfg = AutoConfig.from_pretrained(out)
+    assert isinstance(cfg, LlamaConfig) and cfg.num_hidden_layers == 1 and cfg.hidden_size == H
+    assert cfg.architectures[0] == "LlamaForCausalLMEagle" and "EagleLlamaForCausalLM" in cfg.architectures
+    assert not cfg.tie_word_embeddings
+
+    w = load_file(str(out / "model.safetensors"))
+    layer = LlamaDecoderLayer(cfg, layer_idx=0)
+    layer.input_layernorm = torch.nn.Identity()
+    layer.load_state_dict({k[len("layers.0."):]: v for k, v in w.items() if k.startswith("layers.0.")})
+    ids = prompt_ids(target)
+    T = ids.shape[1]
+    f = compute_features(target.model, ids, None, []).last_hidden[:, :-1]  # f_0..f_{m-1}
+    x = torch.cat([target.model.get_input_embeddings()(ids[:, 1:]), f], -1) @ w["fc.weight"].T
+    pos = torch.arange(T - 1)[None]
+    rope = target.model.model.rotary_emb(x, pos)
+    mask = torch.full((T - 1, T - 1), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        h = layer(x, attention_mask=mask, position_embeddings=rope)
+        h = h[0] if isinstance(h, tuple) else h
+    torch.testing.assert_close(target.model.lm_head(h[:, -1]), draft(head, target, ids)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_eagle_zero_fc_bias_for_sglang(target, finals, tmp_path):
+    final, head = finals["eagle"]
+    out = export_head(final, tmp_path / "e", "eagle", target=target, layout_options={"fc_bias": True})
+    w = load_file(str(out / "model.safetensors"))
+    assert set(w) == set(EXPECTED["eagle"]) | {"fc.bias"} and not w["fc.bias"].any()
+    back = load_export(out, target=target)
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in head.state_dict().items())
+
+
+# ------------------------------------------------------------------------------------- model card
+
+def test_card_carries_the_measured_table(target, finals, tmp_path):
+    final, _ = finals["eagle"]
+    evals = []
+    for temp, tau in ((0.0, 2.41), (1.0, 1.87)):
+        path = tmp_path / f"eval_t{temp}.json"
+        path.write_text(json.dumps({
+            "target": "tiny-random", "head": "eagle", "temperature": temp, "num_prompts": 12, "tau": tau,
+            "acceptance_by_depth": [0.61, 0.44], "by_category": {"code": {"tau": tau + 0.1, "num_prompts": 6}},
+            "tokens_per_second": {"speculative": 90.5, "vanilla": 60.2, "hf_generate": 55.0},
+            "speedup_vs_vanilla": 1.5, "speedup_vs_hf_generate": 1.65, "greedy_match": 1.0, "hardware": "2-core CPU"}))
+        evals.append(str(path))
+    out = export_head(final, tmp_path / "e", "eagle", target=target, eval_path=evals, base_model="org/target",
+                      where="org/head")
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "org/target"
+    assert "| 0.0 | 2.41 | 0.61, 0.44 |" in card.text and "| 1.0 | 1.87 |" in card.text
+    assert "2-core CPU" in card.text and "| code |" in card.text
+    assert '"model": "org/head"' in card.text and "vllm serve org/target" in card.text
+    assert "--speculative-draft-model-path org/head" in card.text
+
+
+def test_eval_json_next_to_the_checkpoint_is_found(target, finals, tmp_path):
+    import shutil
+
+    final = tmp_path / "run" / "final"
+    shutil.copytree(finals["medusa"][0], final)
+    (final.parent / "eval.json").write_text(json.dumps({"temperature": 0.0, "tau": 3.25}))
+    out = export_head(final, tmp_path / "m", "medusa", target=target)
+    assert "| 0.0 | 3.25 |" in (out / "README.md").read_text()
+
+
+# -------------------------------------------------------------------------------------- bad input
+
+def test_format_that_does_not_fit_the_head(target, finals, tmp_path):
+    with pytest.raises(ExportError, match="format=medusa holds medusa heads, but the checkpoint holds a eagle head"):
+        export_head(finals["eagle"][0], tmp_path / "x", "medusa", target=target)
+    with pytest.raises(ExportError, match="unknown format='medusa2'"):
+        export_head(finals["eagle"][0], tmp_path / "x", "medusa2", target=target)
+    assert not (tmp_path / "x").exists()
+
+
+def test_existing_output_is_refused_unless_overwrite(target, finals, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="exists and is not empty: pass overwrite=true"):
+        export_head(finals["medusa"][0], out, "medusa", target=target)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    export_head(finals["medusa"][0], out, "medusa", target=target, overwrite=True)
+    assert (out / "model.safetensors").is_file() and not (out / "keep.txt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp folders left behind
+
+
+def test_failure_midway_leaves_nothing(target, finals, tmp_path, monkeypatch):
+    import heads.formats.io as io
+
+    def broken(*args, **kwargs):
+        raise ExportError("disk full")
+
+    monkeypatch.setattr(io, "save_tensors", broken)
+    with pytest.raises(ExportError, match="disk full"):
+        export_head(finals["medusa"][0], tmp_path / "out", "medusa", target=target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corrupted_export_is_refused_on_read(target, finals, tmp_path):
+    out = export_head(finals["eagle"][0], tmp_path / "e", "eagle", target=target)
+    w = load_file(str(out / "model.safetensors"))
+    w["layers.0.input_layernorm.weight"] = torch.ones(H)  # a stray tensor the layout does not have
+    save_file(w, str(out / "model.safetensors"))
+    with pytest.raises(ExportError, match=r"unexpected \['layers.0.input_layernorm.weight'\]"):
+        load_export(out, target=target)
+    (out / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ExportError, match="corrupted or unreadable"):
+        load_export(out, target=target)
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "export.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def export_script():
+    """scripts/export.py as a module (importing it registers the config schema)."""
+    import importlib.util
+
+    if "headway_export_script" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("headway_export_script", ROOT / "scripts" / "export.py")
+        module = sys.modules["headway_export_script"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["headway_export_script"]
+
+
+def compose(*overrides):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    export_script()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return hydra_compose("export", overrides=list(overrides))
+
+
+def test_cli_exports(finals, tmp_path):
+    res = run_cli(f"checkpoint={finals['medusa'][0]}", f"output={tmp_path / 'm'}", "format=medusa-original")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith(str(tmp_path / "m"))
+    assert (tmp_path / "m" / "medusa_lm_head.safetensors").is_file() and not (ROOT / "export.log").exists()
+
+
+def test_bad_input_gives_one_clear_line(finals, tmp_path, capsys):
+    export = export_script()
+
+    final = finals["medusa"][0]
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    (bad / "config.json").write_text((final / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes(b"\x00" * 16)
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes((final / "model.safetensors").read_bytes())
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_text("x")
+    cases = {
+        (f"checkpoint={tmp_path / 'nope'}",): "is not a head folder: it needs config.json and model.safetensors",
+        (f"checkpoint={half}",): "is not a head folder",
+        (f"checkpoint={bad}",): "model.safetensors is corrupted or unreadable",
+        (f"checkpoint={final}", "format=eagle"): "format=eagle holds eagle heads, but the checkpoint holds a medusa",
+        (f"checkpoint={final}", f"output={tmp_path / 'used'}"): "exists and is not empty: pass overwrite=true",
+        (f"checkpoint={final}", "eval=/no/eval.json"): "eval=/no/eval.json does not exist",
+    }
+    for args, message in cases.items():
+        overrides = list(args) + ([f"output={tmp_path / 'fresh'}"] if not any("output=" in a for a in args) else [])
+        assert export.run(compose(*overrides)) == 2, args
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("export error:") and message in lines[0], (args, lines)
+    assert not (tmp_path / "fresh").exists() and [p.name for p in (tmp_path / "used").iterdir()] == ["x"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "half", "used"]
