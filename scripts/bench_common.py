@@ -58,3 +58,27 @@ def machine() -> str:
 def headline(ratio: float, what: str) -> None:
     """The last line of every benchmark: the headline ratio as `<number>x`."""
     print(f"{what}: {ratio:.2f}x")
+
+
+TARGETS = {"smollm2-135m": {"path": "embedded:smollm2", "name": "smollm2-135m"},
+           "tiny-random": {"path": "tiny-random", "name": "tiny-random"}}
+
+
+def load_bench_target(name: str, device: str = "cpu", dtype: str = "auto"):
+    """A preset name (smollm2-135m, tiny-random) or an HF path/hub name, frozen, on `device`."""
+    from heads.target import load_target
+
+    spec = dict(TARGETS.get(name, {"path": name, "name": Path(name).name}), dtype=dtype)
+    return load_target(spec, device=device)
+
+
+def bench_prompts(tokenizer, sets: list[str], per_set: int | None) -> list[tuple[str, list[int]]]:
+    """(set name, chat-templated token ids) for the first `per_set` prompts of each held-out set."""
+    from infer.engine import encode_prompts
+    from train.data.prompt_sets import load_prompt_set
+
+    out = []
+    for name in sets:
+        rows = load_prompt_set(name)[:per_set]
+        out += [(name, ids) for ids in encode_prompts(tokenizer, [r["prompt"] for r in rows])]
+    return out

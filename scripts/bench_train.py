@@ -1,0 +1,183 @@
+"""Training throughput and peak memory per head kind, online vs offline hidden states, by sequence length.
+
+One training step = the target's features for a batch (online: a no-grad forward of the frozen target;
+offline: reading them back from a safetensors file, as an offline cache does) + the head's own part
+(forward, backward, AdamW step). The two parts are timed apart, so the head's own cost per token can be
+checked to grow no worse than linearly with the sequence length.
+
+    python scripts/bench_train.py                                   # SmolLM2-135M, all heads, 256..2048, CPU
+    python scripts/bench_train.py --heads eagle3 --lengths 512 2048 --device cuda --dtype bf16
+    python scripts/bench_train.py --quick                           # tiny random target (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import bench_common as bc
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
+
+from heads.base import build_head, compute_features
+
+LINEAR_SLACK = 1.5  # per-token cost may grow this much from the shortest to the longest length
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--heads", nargs="+", default=["medusa", "eagle", "eagle3", "mtp"])
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per point (after one warm-up)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quick", action="store_true", help="tiny random target, lengths 32 and 64 (smoke test)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.target, args.lengths, args.steps = "tiny-random", [32, 64], 1
+    return args
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+class PeakMemory:
+    """Peak bytes above the level at entry: CUDA allocator stats, or the process's peak RSS on Linux
+    (reset through /proc/self/clear_refs)."""
+
+    def __init__(self, device: str):
+        self.cuda = str(device).startswith("cuda")
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.base = _status_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.peak = _status_kib("VmHWM") * 1024 - self.base
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------- steps
+
+def make_batch(target, length: int, batch: int, device) -> dict:
+    g = torch.Generator().manual_seed(length)
+    ids = torch.randint(target.config.vocab_size, (batch, length), generator=g).to(device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+
+
+def head_options(kind: str) -> dict:
+    cfg = OmegaConf.load(bc.REPO / "conf" / "head" / f"{kind}.yaml")
+    return OmegaConf.to_container(cfg.options, resolve=True)
+
+
+def time_features(target, batch, layers, args, tmp: Path):
+    """-> (online s, offline s, online peak bytes, offline peak bytes, features)."""
+    fn = lambda: compute_features(target.model, batch["input_ids"], batch["attention_mask"], layers)  # noqa: E731
+    feats = fn()  # warm-up
+    with PeakMemory(args.device) as online_mem:
+        online = _timed(fn, args)
+    path = tmp / "features.safetensors"
+    save_file({str(k): v.contiguous().cpu() for k, v in feats.hidden_states.items()}, str(path))
+
+    def read():
+        stored = load_file(str(path), device=str(args.device))
+        return {int(k): v for k, v in stored.items()}
+
+    read()
+    with PeakMemory(args.device) as offline_mem:
+        offline = _timed(read, args)
+    return online, offline, online_mem.peak, offline_mem.peak, feats
+
+
+def time_head(head, batch, feats, args):
+    """-> (seconds per step, peak bytes) for forward + backward + AdamW step of the head alone."""
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+
+    def step():
+        loss = head(batch["input_ids"], batch["loss_mask"], feats).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up (also allocates the optimizer state)
+    with PeakMemory(args.device) as mem:
+        seconds = _timed(step, args)
+    return seconds, mem.peak
+
+
+def _timed(fn, args) -> float:
+    _sync(args.device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        fn()
+    _sync(args.device)
+    return (time.perf_counter() - start) / args.steps
+
+
+# -------------------------------------------------------------------------------------------- main
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    target = bc.load_bench_target(args.target, args.device, args.dtype)
+    dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
+    print(f"machine: {bc.machine()}; target {target.spec.name} {dtype} on {args.device}, batch {args.batch}, "
+          f"{args.steps} timed steps per point")
+    mib = 2**20
+    rows, growth = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in args.heads:
+            head = build_head(kind, target, **head_options(kind)).to(args.device).train()
+            head.init_from_data(torch.ones(target.config.vocab_size, dtype=torch.long))
+            per_token = []
+            for length in args.lengths:
+                batch = make_batch(target, length, args.batch, args.device)
+                t_on, t_off, m_on, m_off, feats = time_features(target, batch, head.feature_layers(), args, Path(tmp))
+                t_head, m_head = time_head(head, batch, feats, args)
+                tokens = length * args.batch
+                per_token.append(t_head / tokens)
+                rows.append({"head": kind, "seq": length, "online tok/s": tokens / (t_on + t_head),
+                             "offline tok/s": tokens / (t_off + t_head),
+                             "offline/online": (t_on + t_head) / (t_off + t_head),
+                             "head ms": 1e3 * t_head, "head us/token": 1e6 * t_head / tokens,
+                             "peak MiB online": max(m_on, m_head) / mib, "peak MiB offline": max(m_off, m_head) / mib})
+            growth[kind] = per_token[-1] / per_token[0]
+            del head
+    bc.print_table(rows, "\n(head = the head's own forward + backward + AdamW step; features: online = target "
+                         "forward, offline = read from disk; peak = memory above the level before each part)")
+    lo, hi = args.lengths[0], args.lengths[-1]
+    for kind, g in growth.items():
+        verdict = "no worse than linear" if g <= LINEAR_SLACK else "WORSE than linear"
+        print(f"{kind}: head cost per token at {hi} vs {lo} tokens: {g:.2f}x ({verdict}; 1.00x = linear)")
+    worst = max(growth, key=growth.get)
+    bc.headline(growth[worst], f"worst head ({worst}) cost per token, {hi} vs {lo} tokens (1.00x = linear)")
+
+
+if __name__ == "__main__":
+    main()
