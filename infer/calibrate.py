@@ -1,0 +1,167 @@
+"""The target's measured latency-vs-tokens curve T(N) and the tree budget the engine derives from it.
+
+Verifying N tokens in one forward costs about one plain step while the target is memory-bound (seed
+section 0); past the ridge point T(N) grows linearly and big trees stop paying. The engine therefore sizes
+trees from the measured curve instead of a constant:
+
+    budget N(B) = the largest N <= max_nodes with T(B * N) <= slack * T(B)
+
+i.e. a verification step may cost at most `slack` plain steps of the same batch (default 2: a tree pays
+off as long as it yields > 2 tokens per step, which good heads reach). Measured tokens are B * N because a
+batch of B rows with N nodes each is one forward of B * N tokens; this is also what throttles drafting at
+large batch (seed failure mode 2): when B alone is past the ridge, T(2B) ~ 2 T(B) and N falls to 1-2.
+Without a curve the seed's static throttle applies (full trees for B <= 8, a quarter for B <= 32, none
+beyond).
+
+    python -m infer.calibrate target=smollm2-135m      # measure, cache on disk, print the curve
+The curve is cached in $HEADWAY_CACHE/calibration/<target>-<device>-<dtype>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass
+class TreeBudget:
+    max_nodes: int = 64  # hard cap on tree nodes per row (root included)
+    curve: dict[int, float] | None = None  # N -> seconds for one target forward of N tokens
+    slack: float = 2.0  # a verification step may cost up to slack * T(B)
+
+    def max_tokens(self, batch_size: int) -> int:
+        """Tree nodes per row (root included, >= 1) for a batch of `batch_size` rows."""
+        if not self.curve:
+            if batch_size <= 8:
+                return self.max_nodes
+            return max(1, self.max_nodes // 4) if batch_size <= 32 else 1
+        limit = self.slack * self.latency(batch_size)
+        n = 1
+        while n < self.max_nodes and self.latency(batch_size * (n + 1)) <= limit:
+            n += 1
+        return n
+
+    def latency(self, tokens: int) -> float:
+        """T(tokens) by linear interpolation of the curve (linear extrapolation past its ends)."""
+        sizes = sorted(self.curve)
+        if len(sizes) == 1:
+            return self.curve[sizes[0]] * max(tokens / sizes[0], 1.0)
+        lo = max((s for s in sizes[:-1] if s <= tokens), default=sizes[0])
+        hi = sizes[sizes.index(lo) + 1]
+        t_lo, t_hi = self.curve[lo], self.curve[hi]
+        return t_lo + (t_hi - t_lo) * (tokens - lo) / (hi - lo)
+
+    @classmethod
+    def for_target(cls, target, max_nodes: int = 64, slack: float = 2.0, measure: bool = True) -> "TreeBudget":
+        """The budget from the cached (or, with measure=True, freshly measured) curve of this target."""
+        curve = load_curve(target)
+        if curve is None and measure:
+            curve = calibrate_latency(target)
+        return cls(max_nodes=max_nodes, curve=curve, slack=slack)
+
+
+def curve_path(target) -> Path:
+    from heads.target import cache_root
+
+    model = target.model
+    device = next(model.parameters()).device
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    name = getattr(getattr(target, "spec", None), "name", None) or model.config.model_type
+    return cache_root() / "calibration" / f"{name}-{device.type}-{dtype}.json"
+
+
+def load_curve(target) -> dict[int, float] | None:
+    path = curve_path(target)
+    if not path.is_file():
+        return None
+    try:
+        return {int(n): float(t) for n, t in json.loads(path.read_text())["latency_s"].items()}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None  # a damaged cache is just re-measured
+
+
+@torch.inference_mode()
+def calibrate_latency(target, sizes=DEFAULT_SIZES, context: int = 256, repeats: int = 5,
+                      save: bool = True) -> dict[int, float]:
+    """Measure T(N): seconds for one target forward of N new tokens after `context` cached tokens,
+    through the engine's own path (paged cache + 4D mask). Best of `repeats` (least disturbed)."""
+    from infer.kv_cache import PagedKVCache
+    from infer.tree import attention_mask, causal_ancestors
+
+    model = target.model
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    sizes = sorted({int(n) for n in sizes})
+    vocab = model.config.vocab_size
+    cache = PagedKVCache.for_model(model.config, batch_size=1, max_seq_len=context + max(sizes),
+                                   dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(vocab, (1, context), generator=gen)
+    _forward(model, cache, prompt, causal_ancestors(context), dtype, device)
+    curve = {}
+    for n in sizes:
+        tokens = torch.randint(vocab, (1, n), generator=gen)
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first run warms up
+            start = time.perf_counter()
+            _forward(model, cache, tokens, causal_ancestors(n), dtype, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+            cache.truncate(torch.tensor([context]))
+        curve[n] = best
+    if save:
+        _save_curve(target, curve, context)
+    return curve
+
+
+def _forward(model, cache, tokens, anc, dtype, device):
+    from infer.tree import attention_mask
+
+    n = tokens.shape[1]
+    plan = cache.prepare(n)
+    mask = attention_mask(plan.start, anc, plan.read_len, dtype)
+    pos = plan.start[:, None] + torch.arange(n)
+    model(input_ids=tokens.to(device), position_ids=pos.to(device), attention_mask=mask.to(device),
+          cache=cache, use_cache=True, logits_to_keep=0)
+
+
+def _save_curve(target, curve: dict[int, float], context: int) -> None:
+    path = curve_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"context": context, "latency_s": {str(k): v for k, v in curve.items()}}, indent=1))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from heads.target import TargetError, load_target
+
+    args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv) if "=" in a)
+    name = args.get("target", "smollm2-135m")
+    spec = {"smollm2-135m": {"path": "embedded:smollm2", "name": "smollm2-135m"},
+            "tiny-random": {"path": "tiny-random", "name": "tiny-random"}}.get(name, {"path": name, "name": name})
+    try:
+        target = load_target(spec)
+    except TargetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    curve = calibrate_latency(target, context=int(args.get("context", 256)))
+    budget = TreeBudget(curve=curve)
+    for n, t in curve.items():
+        print(f"N={n:4d}  T={t * 1e3:8.2f} ms  T(N)/T(1)={t / curve[min(curve)]:.2f}")
+    print(f"tree budget (slack {budget.slack}): " +
+          ", ".join(f"B={b}: {budget.max_tokens(b)}" for b in (1, 2, 4, 8, 16, 32, 64)))
+    print(f"cached in {curve_path(target)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,334 @@
+"""The inference engine: plain and speculative decoding of any HF causal LM through a paged KV cache.
+
+API (what infer.evaluate and scripts build on)
+----------------------------------------------
+    from heads.target import load_target
+    from infer.engine import SpeculativeEngine, encode_prompts
+    from infer.drafters import build_drafter        # prompt_lookup, draft_model, or a head (+ tree policy)
+
+    target = load_target({"path": "embedded:smollm2", "name": "smollm2-135m"})
+    prompts = encode_prompts(target.tokenizer, ["Write a haiku about caches."])   # chat template
+    engine = SpeculativeEngine(target)                                   # plain decoding
+    out = engine.generate(prompts, max_new_tokens=128, temperature=0.0)
+    out.tokens          # list[list[int]]: new tokens per prompt (up to and including EOS)
+    out.stats.tau, out.stats.acceptance_by_depth, out.stats.tokens_per_second, out.stats.to_dict()
+
+    drafter = build_drafter("prompt_lookup", target)                     # or a head from load_head(...)
+    out = SpeculativeEngine(target, drafter).generate(prompts, max_new_tokens=128, temperature=0.0)
+
+`generate(prompts, max_new_tokens, temperature=0, top_k=None, top_p=None, seed=None, stop_on_eos=True)`
+takes a batch of token-id lists of different lengths (rows are left-aligned with per-row lengths and
+masks). Temperature 0 is greedy: the speculative output then equals plain decoding token for token.
+Errors: EngineError (bad arguments, empty prompt), CacheFullError (prompt + max_new_tokens beyond what
+the cache was sized for; see `max_seq_len`).
+
+One decoding step (gpt-fast style, everything vectorised over the batch):
+    plain:        cache.prepare(1) -> target(last token) -> warp -> sample
+    speculative:  drafter.propose -> tree mask/positions -> ONE target forward over the tree
+                  -> warp -> verify_tree -> cache.compact(accepted path) -> drafter.commit(accepted
+                  tokens + the target's hidden states at the accepted nodes)
+Stats: tau = tokens emitted per target verification forward (bonus included, micro-averaged over all
+row-steps), acceptance_by_depth = P(depth d accepted | depth d-1 accepted), target forwards, tokens/s.
+The tree budget per step comes from `TreeBudget` (batch-size throttle + the measured latency curve T(N),
+see infer/calibrate.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor
+
+from heads.base import TargetFeatures
+from infer.calibrate import TreeBudget, calibrate_latency  # noqa: F401  (calibrate_latency re-exported)
+from infer.kv_cache import CacheFullError, PagedKVCache  # noqa: F401  (CacheFullError re-exported)
+from infer.sampling import sample, warp_probs
+from infer.tree import ancestor_mask, attention_mask, causal_ancestors, depths
+from infer.verify import verify_tree
+
+
+class EngineError(ValueError):
+    """Bad generation arguments; the message says what to do."""
+
+
+@dataclass
+class GenerationStats:
+    target_forwards: int = 0  # verification forwards (decode steps), prefill excluded
+    row_steps: int = 0  # sum over steps of rows still generating: the denominator of tau
+    emitted: int = 0  # tokens emitted by those row-steps (before truncation at EOS / max_new_tokens)
+    new_tokens: int = 0  # tokens returned to the caller
+    accepted_at_depth: list[int] = field(default_factory=list)  # row-steps whose depth-d draft was accepted
+    drafted_at_depth: list[int] = field(default_factory=list)  # row-steps that reached depth d with a draft there
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / max(self.row_steps, 1)
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at_depth, self.drafted_at_depth)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens over the whole generate() wall time (prefill included)."""
+        return self.new_tokens / max(self.prefill_s + self.decode_s, 1e-9)
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), tau=self.tau, acceptance_by_depth=self.acceptance_by_depth,
+                    tokens_per_second=self.tokens_per_second)
+
+    def record_plain(self, active: int) -> None:
+        self.target_forwards += 1
+        self.row_steps += active
+        self.emitted += active
+
+    def record(self, num_tokens: Tensor, tree_depth: Tensor, active: Tensor) -> None:
+        """One verification step: num_tokens [B] emitted, tree_depth [B] deepest draft, active [B]."""
+        num, depth = num_tokens[active], tree_depth[active]
+        self.target_forwards += 1
+        self.row_steps += int(active.sum())
+        self.emitted += int(num.sum())
+        levels = int(depth.max()) if depth.numel() else 0
+        self._grow(levels)
+        d = torch.arange(1, levels + 1)
+        accepted = (num[:, None] - 1 >= d).sum(0)  # [D]: accepted drafts >= d
+        drafted = ((num[:, None] - 1 >= d - 1) & (depth[:, None] >= d)).sum(0)
+        for i in range(levels):
+            self.accepted_at_depth[i] += int(accepted[i])
+            self.drafted_at_depth[i] += int(drafted[i])
+
+    def _grow(self, levels: int) -> None:
+        while len(self.accepted_at_depth) < levels:
+            self.accepted_at_depth.append(0)
+            self.drafted_at_depth.append(0)
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[list[int]]  # new tokens per prompt
+    stats: GenerationStats
+
+
+@dataclass
+class Draft:
+    """A draft tree per row: node 0 is the root (the last committed token, not yet in the target cache)."""
+
+    tokens: Tensor  # [B, N]; -1 marks padding nodes (never accepted)
+    parents: Tensor  # [N] or [B, N]; parents[0] = -1, parents[i] < i
+    draft_probs: Tensor | None = None  # [B, N, V] if children were *sampled* from these (SpecInfer rule)
+
+
+def encode_prompts(tokenizer, texts: list[str], chat: bool = True) -> list[list[int]]:
+    """Token ids for each prompt: a user turn through the chat template (if the tokenizer has one)."""
+    out = []
+    for text in texts:
+        if chat and getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer(text)["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+class SpeculativeEngine:
+    """Generate with a frozen target, optionally drafting with `drafter` (see infer.drafters)."""
+
+    def __init__(self, target, drafter=None, *, block_size: int = 16, budget: TreeBudget | None = None,
+                 eos_token_id: int | list[int] | None = None):
+        self.model = target.model if hasattr(target, "model") else target
+        self.tokenizer = getattr(target, "tokenizer", None)
+        self.drafter = drafter
+        self.block_size = block_size
+        self.budget = budget or TreeBudget()
+        self.device = next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype
+        self.num_layers = self.model.config.num_hidden_layers
+        eos = eos_token_id if eos_token_id is not None else _eos_ids(self.model, self.tokenizer)
+        eos = [eos] if isinstance(eos, int) else eos
+        self.eos = torch.tensor(sorted(set(eos)) if eos else [-2], dtype=torch.long)
+
+    # ------------------------------------------------------------------------------------- public
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 stop_on_eos: bool = True, drafter=None) -> GenerationOutput:
+        drafter = drafter if drafter is not None else self.drafter
+        self._check(prompts, max_new_tokens, temperature, top_k, top_p)
+        run = _Run(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_on_eos, drafter)
+        return run.generate()
+
+    def _check(self, prompts, max_new_tokens, temperature, top_k, top_p) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise EngineError("every prompt needs at least one token: drop empty prompts")
+        if max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise EngineError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise EngineError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and top_k < 1:
+            raise EngineError(f"top_k must be >= 1, got {top_k}")
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        if limit and longest > limit:
+            raise CacheFullError(f"prompt + max_new_tokens = {longest} tokens exceeds the target's "
+                                 f"max_position_embeddings {limit}: shorten the prompt or max_new_tokens")
+
+    # ------------------------------------------------------------------------------ target forward
+    def forward(self, cache: PagedKVCache, tokens: Tensor, num_new: Tensor, anc: Tensor, pos: Tensor,
+                keep: Tensor | int, hidden: bool):
+        """One target forward of tokens [B, Q] appended after each row's cached prefix.
+
+        anc [1 or B, Q, Q] says which new tokens see which; pos [B, Q] are position ids; keep selects the
+        positions whose logits are computed (int: last `keep`; [B, K] indices per row)."""
+        plan = cache.prepare(num_new, tokens.shape[1])
+        mask = attention_mask(plan.start, anc, plan.read_len, self.dtype,
+                              None if bool((num_new == tokens.shape[1]).all()) else num_new)
+        out = self.model(input_ids=tokens.to(self.device), position_ids=pos.to(self.device),
+                         attention_mask=mask.to(self.device), cache=cache, use_cache=True,
+                         output_hidden_states=hidden, logits_to_keep=keep)
+        return plan, out
+
+
+class _Run:
+    """The state of one generate() call."""
+
+    def __init__(self, engine: SpeculativeEngine, prompts, max_new_tokens, temperature, top_k, top_p, seed,
+                 stop_on_eos, drafter):
+        self.e, self.drafter = engine, drafter
+        self.max_new = max_new_tokens
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.greedy = temperature == 0
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.stop_on_eos = stop_on_eos
+        self.B = len(prompts)
+        self.lens = torch.tensor([len(p) for p in prompts])
+        self.prompt = torch.zeros(self.B, int(self.lens.max()), dtype=torch.long)
+        for b, p in enumerate(prompts):  # once per call, not in the decoding loop
+            self.prompt[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        self.nodes = drafter.max_nodes(self.e.budget.max_tokens(self.B)) if drafter else 1
+        max_len = int(self.lens.max()) + max_new_tokens + self.nodes + 1
+        self.cache = PagedKVCache.for_model(engine.model.config, batch_size=self.B, max_seq_len=max_len,
+                                            block_size=engine.block_size, dtype=engine.dtype,
+                                            device=engine.device)
+        self.out = torch.full((self.B, max_new_tokens + self.nodes + 1), -1, dtype=torch.long)
+        self.count = torch.zeros(self.B, dtype=torch.long)  # tokens emitted so far per row
+        self.done = torch.zeros(self.B, dtype=torch.bool)
+        self.ones, self.chain1 = torch.ones(self.B, dtype=torch.long), causal_ancestors(1)
+        self.stats = GenerationStats()
+        self.layers = sorted(set(drafter.feature_layers()) | {engine.num_layers}) if drafter else []
+
+    def generate(self) -> GenerationOutput:
+        t0 = time.perf_counter()
+        root = self.prefill()
+        t1 = time.perf_counter()
+        step = self.speculative_step if self.drafter else self.plain_step
+        while not bool(self.done.all()):
+            root = step(root)
+        t2 = time.perf_counter()
+        tokens = [self.out[b, :int(self.count[b])].tolist() for b in range(self.B)]
+        self.stats.new_tokens = sum(len(t) for t in tokens)
+        self.stats.prefill_s, self.stats.decode_s = t1 - t0, t2 - t1
+        return GenerationOutput(tokens, self.stats)
+
+    # ---------------------------------------------------------------------------------------- steps
+    def prefill(self) -> Tensor:
+        """Run every prompt through the target; return the first new token [B]."""
+        width = self.prompt.shape[1]
+        pos = torch.arange(width).expand(self.B, width)
+        keep = (self.lens - 1)[:, None]  # [B, 1] each row's last prompt position
+        _, out = self.e.forward(self.cache, self.prompt, self.lens, causal_ancestors(width), pos, keep,
+                                hidden=bool(self.layers))
+        first = self.pick(out.logits[:, 0])  # [B]
+        if self.drafter:
+            self.drafter.reset(self.prompt, self.lens, self.cache.max_seq_len)
+            # the feature at position t predicts token t+1: tokens x_1..x_m pair with features 0..m-1
+            nxt = torch.cat([self.prompt[:, 1:], self.prompt[:, :1]], 1)
+            nxt.scatter_(1, keep, first[:, None])
+            self.drafter.commit(nxt, self.features(out, None), pos, self.lens)
+        self.emit(first[:, None], torch.ones(self.B, dtype=torch.long))
+        return first
+
+    def plain_step(self, root: Tensor) -> Tensor:
+        pos = self.cache.lengths[:, None]  # [B, 1]
+        _, out = self.e.forward(self.cache, root[:, None], self.ones, self.chain1, pos, 1, hidden=False)
+        nxt = self.pick(out.logits[:, -1])
+        self.stats.record_plain(self.B - int(self.done.sum()))
+        self.emit(nxt[:, None], self.ones)
+        return nxt
+
+    def speculative_step(self, root: Tensor) -> Tensor:
+        draft = self.drafter.propose(root, self.nodes)
+        tokens, parents = draft.tokens, draft.parents
+        n = tokens.shape[1]
+        anc = ancestor_mask(parents)  # [B or 1, N, N]
+        depth = depths(anc)
+        start = self.cache.lengths
+        pos = start[:, None] + depth  # [B, N]
+        plan, out = self.e.forward(self.cache, tokens.clamp(min=0), torch.full((self.B,), n), anc, pos, 0,
+                                   hidden=True)
+        logits = out.logits.float()  # [B, N, V]
+        if self.greedy:
+            new, num, path = verify_tree(tokens, parents, logits, greedy=True)
+        else:
+            probs = warp_probs(logits, self.temperature, self.top_k, self.top_p)
+            new, num, path = verify_tree(tokens, parents, probs, draft.draft_probs, generator=self.generator)
+        self.cache.compact(plan.start, path, num)
+        tree_depth = (depth.expand(self.B, n) * (tokens >= 0)).amax(-1)
+        self.stats.record(num, tree_depth, ~self.done)
+        positions = plan.start[:, None] + torch.arange(path.shape[1])
+        self.drafter.commit(new, self.features(out, path), positions, num)
+        self.emit(new, num)
+        return new.gather(1, (num - 1)[:, None])[:, 0]
+
+    # -------------------------------------------------------------------------------------- helpers
+    def pick(self, logits: Tensor) -> Tensor:  # [B, V] -> [B]
+        if self.greedy:
+            return logits.argmax(-1).cpu()
+        return sample(warp_probs(logits, self.temperature, self.top_k, self.top_p), self.generator).cpu()
+
+    def features(self, out, path: Tensor | None) -> TargetFeatures | None:
+        """The target hidden states the drafter asked for, at `path` [B, K] nodes (None: all positions)."""
+        if not self.layers:
+            return None
+        hidden = {}
+        for layer in self.layers:
+            h = out.hidden_states[layer]  # [B, Q, h]
+            if path is not None:
+                h = h.gather(1, path.clamp(min=0).to(h.device)[:, :, None].expand(-1, -1, h.shape[-1]))
+            hidden[layer] = h
+        return TargetFeatures(hidden, self.e.num_layers)
+
+    def emit(self, new: Tensor, num: Tensor) -> None:
+        """Append new[b, :num[b]] to each active row's output; stop rows at EOS or max_new_tokens."""
+        active = ~self.done
+        num = torch.where(active, num, 0)
+        width = new.shape[1]
+        offs = torch.arange(width)
+        valid = offs < num[:, None]
+        if self.stop_on_eos:
+            is_eos = torch.isin(new, self.e.eos) & valid
+            first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, width)
+            num = torch.minimum(num, first_eos)
+            self.done |= is_eos.any(1) & active
+            valid = offs < num[:, None]
+        cols = (self.count[:, None] + offs).clamp(max=self.out.shape[1] - 1)
+        self.out.scatter_(1, torch.where(valid, cols, self.out.shape[1] - 1),
+                          torch.where(valid, new, self.out[:, -1:]))
+        self.count = torch.minimum(self.count + num, torch.tensor(self.max_new))
+        self.done |= self.count >= self.max_new
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = []
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids += list(value) if isinstance(value, (list, tuple)) else [value]
+    return ids

@@ -1,0 +1,64 @@
+"""The engine's plain decoding is HF greedy decoding; bad requests fail with one clear error."""
+
+import pytest
+import torch
+
+from heads.target import load_target
+from infer.engine import CacheFullError, EngineError, SpeculativeEngine
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target({"path": "tiny-random", "name": "tiny-random"})
+
+
+def prompts_of(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_plain_greedy_equals_hf_generate_for_a_ragged_batch(target):
+    prompts = prompts_of([9, 3, 21, 1])
+    out = SpeculativeEngine(target, block_size=4).generate(prompts, max_new_tokens=12, stop_on_eos=False)
+    for prompt, tokens in zip(prompts, out.tokens):
+        assert tokens == hf_greedy(target.model, prompt, 12)
+    stats = out.stats
+    assert stats.tau == 1.0 and stats.target_forwards == 11 and stats.new_tokens == 48
+
+
+def test_rows_stop_at_their_own_eos(target):
+    prompts = prompts_of([5, 8])
+    free = SpeculativeEngine(target).generate(prompts, max_new_tokens=10, stop_on_eos=False).tokens
+    eos = free[0][3]  # pretend row 0's 4th token is the end of turn
+    out = SpeculativeEngine(target, eos_token_id=eos).generate(prompts, max_new_tokens=10)
+    assert out.tokens[0] == free[0][:4]
+    cut = free[1].index(eos) + 1 if eos in free[1] else 10
+    assert out.tokens[1] == free[1][:cut]
+
+
+def test_sampling_is_reproducible_with_a_seed(target):
+    engine = SpeculativeEngine(target)
+    prompts = prompts_of([6, 2])
+    a = engine.generate(prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3, stop_on_eos=False)
+    b = engine.generate(prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3, stop_on_eos=False)
+    assert a.tokens == b.tokens
+
+
+def test_bad_requests_fail_clearly(target):
+    engine = SpeculativeEngine(target)
+    with pytest.raises(EngineError, match="at least one token"):
+        engine.generate([[1, 2], []])
+    with pytest.raises(EngineError, match="temperature"):
+        engine.generate([[1, 2]], temperature=-1)
+    with pytest.raises(EngineError, match="top_p"):
+        engine.generate([[1, 2]], temperature=1, top_p=0)
+    limit = target.config.max_position_embeddings
+    with pytest.raises(CacheFullError, match="max_position_embeddings"):
+        engine.generate([[1] * limit], max_new_tokens=1)
