@@ -7,12 +7,15 @@ Public API (used by train/ and infer/):
   collate_fn(pad_id)                         -> collate(items) -> {input_ids, attention_mask, loss_mask}
   token_counts(train_ds, vocab_size)         -> LongTensor [V] over loss-masked tokens
   make_feature_source(cfg, target, layers, with_logits) -> callable(batch) -> TargetFeatures
+  load_prompt_set(name_or_path)              -> [{id, category, prompt}] held-out eval prompts
+                                             (names: mt-bench, humaneval)
 """
 
 from train.data.batching import collate_fn, token_counts
 from train.data.build import DataStats, build_datasets
 from train.data.config import DataConfig, DataError, RegenConfig
 from train.data.features import make_feature_source
+from train.data.prompt_sets import load_prompt_set
 
 __all__ = ["DataConfig", "DataError", "DataStats", "RegenConfig", "build_datasets", "collate_fn",
-           "make_feature_source", "token_counts"]
+           "load_prompt_set", "make_feature_source", "token_counts"]

@@ -42,7 +42,7 @@ def detect_format(columns) -> str:
     raise BadRow("no_conversation_column")
 
 
-def normalize(row: dict, fmt: str) -> list[dict]:
+def normalize(row: dict, fmt: str, require_assistant: bool = True) -> list[dict]:
     """A raw row in either schema -> [{"role", "content"}] with roles system/user/assistant."""
     key, role_key, text_key = ("messages", "role", "content") if fmt == "messages" else \
         ("conversations", "from", "value")
@@ -60,7 +60,7 @@ def normalize(row: dict, fmt: str) -> list[dict]:
         if not isinstance(content, str) or not content.strip():
             raise BadRow("empty_content")
         messages.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in messages):
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no_assistant_turn")
     if any(m["role"] == "system" for m in messages[1:]):
         raise BadRow("system_not_first")
