@@ -1,0 +1,105 @@
+"""train(cfg) in-process on the tiny target: outputs, learning, validation, resume, wandb."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from heads.base import load_head, read_head_config
+from train.checkpoints import find_checkpoint, step_dirs
+from train.config import ConfigError
+from train.loop import train
+from train_helpers import HEADS, compose_train
+
+
+def rows(run_dir: Path, split: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_smoke_run_leaves_a_loadable_head_and_validation_metrics(head, tmp_path):
+    run_dir = train(compose_train(f"head={head}", "experiment=smoke", run_dir=tmp_path))
+
+    config = read_head_config(run_dir / "final")
+    assert config["head_kind"] == head and config["target"]["path"] == "tiny-random"
+    recipe = config["training"]
+    assert recipe["steps"] == 6 and recipe["data"]["name"] == "tiny" and recipe["tokens_seen"] > 0
+    assert recipe["validation"]["sim_tau"] >= 1.0
+
+    val = rows(run_dir, "val")
+    assert [r["step"] for r in val] == [3, 6]
+    for r in val:  # tau = 1 + sum_k prod_{j<=k} acc_k
+        acc = [r[k] for k in sorted(r) if k.startswith("acc_depth_")]
+        tau, run = 1.0, 1.0
+        for a in acc:
+            run *= a
+            tau += run
+        assert r["sim_tau"] == pytest.approx(tau) and all(0 <= a <= 1 for a in acc)
+    assert [r["step"] for r in rows(run_dir, "train")] == [1, 2, 3, 4, 5, 6]
+
+    reloaded = load_head(run_dir / "final")  # rebuilds the tiny target from the recorded spec
+    saved = load_file(str(run_dir / "final" / "model.safetensors"))
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, saved[name])
+    assert (run_dir / "checkpoints" / "best" / "config.json").is_file()
+    assert [p.name for p in step_dirs(run_dir)] == ["step_0000003", "step_0000006"]
+    assert not list((run_dir / "checkpoints").glob(".tmp*"))
+
+
+def test_training_loss_falls(tmp_path):
+    cfg = compose_train("head=eagle", "experiment=smoke", "train.max_steps=60", "train.eval_every=0",
+                        "train.save_every=0", "optim.lr=3e-3", run_dir=tmp_path)
+    losses = [r["loss"] for r in rows(train(cfg), "train")]
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.75 * first, losses
+
+
+def test_resume_after_a_stop_equals_an_uninterrupted_run(tmp_path):
+    """2 steps, stop, restart with resume=latest, 2 more steps == 4 steps in one go (gradient
+    accumulation, the learning-rate schedule, the data order and EAGLE's feature noise included)."""
+    common = ["head=eagle", "experiment=smoke", "train.max_steps=4", "train.grad_accum=2",
+              "train.save_every=2", "train.eval_every=2"]
+    straight = train(compose_train(*common, run_dir=tmp_path / "straight"))
+    train(compose_train(*common, "train.stop_after=2", run_dir=tmp_path / "split"))
+    assert not (tmp_path / "split" / "final").exists()  # stopped early: no final head yet
+    assert [p.name for p in step_dirs(tmp_path / "split")] == ["step_0000002"]
+    resumed = train(compose_train(*common, "resume=latest", run_dir=tmp_path / "split"))
+
+    a = load_file(str(straight / "final" / "model.safetensors"))
+    b = load_file(str(resumed / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+    # the resumed run's log reads like one run: no duplicated steps, same losses
+    assert [r["step"] for r in rows(resumed, "train")] == [1, 2, 3, 4]
+    for x, y in zip(rows(straight, "train"), rows(resumed, "train")):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["tokens_seen"] == x["tokens_seen"]
+
+
+def test_resume_finds_checkpoints_and_rejects_bad_paths(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / ".tmp_step_0000009").mkdir(parents=True)  # a save killed half-way
+    assert find_checkpoint("latest", run) is None
+    assert find_checkpoint(None, run) is None
+    for step in (2, 4):
+        (run / "checkpoints" / f"step_{step:07d}").mkdir()
+        (run / "checkpoints" / f"step_{step:07d}" / "trainer_state.json").write_text("{}")
+    assert find_checkpoint("latest", run).name == "step_0000004"
+    assert find_checkpoint(str(run), tmp_path / "elsewhere").name == "step_0000004"
+    assert find_checkpoint(str(run / "checkpoints" / "step_0000002"), run).name == "step_0000002"
+    with pytest.raises(ConfigError, match="resume="):
+        find_checkpoint(str(tmp_path / "nothing-here"), run)
+
+
+def test_wandb_offline_writes_run_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = compose_train("head=medusa", "experiment=smoke", "logger=wandb", "train.max_steps=2",
+                        "train.save_every=0", run_dir=tmp_path / "run")
+    train(cfg)
+    runs = list((tmp_path / "wandb-dir" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))

@@ -1,0 +1,132 @@
+"""The training job's config schema (Hydra structured configs) and the checks a type cannot express.
+
+`conf/train.yaml` starts its defaults list with `train_schema`, the `TrainConfig` registered here, so
+Hydra merges every YAML and command-line override into typed nodes: a misspelled key or a value of the
+wrong type fails while the config is composed, before anything is loaded. Values live in the YAML files
+(conf/train.yaml, conf/optim/, conf/logger/, ...); the schema holds types and the meaning of each field.
+`check_config` then rejects values that are well-typed but meaningless (lr <= 0, max_steps < 1, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+from heads.target import TargetSpec
+from train.data.config import DataConfig
+
+
+class ConfigError(ValueError):
+    """A config value that composes but cannot work; the message names the key and what to use."""
+
+
+@dataclass
+class HeadConfig:
+    kind: str = MISSING  # a registered head: medusa | eagle | eagle3 | mtp
+    options: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of the head's constructor
+
+
+@dataclass
+class OptimConfig:
+    lr: float = MISSING  # peak learning rate (per-head defaults in conf/optim/head/<kind>.yaml)
+    betas: List[float] = MISSING  # AdamW (beta1, beta2)
+    eps: float = MISSING
+    weight_decay: float = MISSING  # on weight matrices only, never on norms and biases
+    schedule: str = MISSING  # cosine | constant (both after a linear warmup)
+    warmup_steps: Optional[int] = MISSING  # wins over warmup_ratio when set
+    warmup_ratio: float = MISSING  # share of train.max_steps spent warming up
+    min_lr_ratio: float = MISSING  # cosine ends at lr * min_lr_ratio
+    grad_clip: float = MISSING  # max global grad norm (0 disables clipping)
+
+
+@dataclass
+class LoopConfig:
+    max_steps: int = MISSING  # optimizer steps
+    batch_size: int = MISSING  # sequences per process per micro-step
+    grad_accum: int = MISSING  # micro-steps per optimizer step (effective batch = batch x accum x procs)
+    max_length: int = MISSING  # tokens per sequence (longer conversations are truncated)
+    eval_every: int = MISSING  # validate every N steps (and at the end); 0 = only at the end
+    eval_batches: Optional[int] = MISSING  # validation batches per process (null = the whole split)
+    save_every: int = MISSING  # full checkpoint every N steps (0 = none); a run always saves final/
+    keep_checkpoints: int = MISSING  # periodic checkpoints kept on disk (best/ is kept apart)
+    log_every: int = MISSING  # train rows in metrics.jsonl every N steps
+    seed: int = MISSING
+    stop_after: Optional[int] = MISSING  # end this job after N steps (checkpoint first) without
+    #                                      finishing the schedule; continue later with resume=latest
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = MISSING  # none | wandb (metrics.jsonl is always written)
+    project: str = "headway"
+    entity: Optional[str] = None
+    name: Optional[str] = None  # run name (null: wandb picks one)
+    mode: Optional[str] = None  # online | offline | disabled (null: $WANDB_MODE, else online)
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    head: HeadConfig = MISSING
+    target: TargetSpec = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    train: LoopConfig = MISSING
+    logger: LoggerConfig = MISSING
+    resume: Optional[str] = None  # null | latest (newest checkpoint of this run dir) | a checkpoint or run dir
+    device: str = "auto"  # auto (GPU when present) | cpu
+    precision: str = "auto"  # mixed precision: auto (bf16 on GPU, none on CPU) | no | bf16 | fp16
+    output_dir: str = MISSING  # the run dir; conf/train.yaml sets it to Hydra's output dir
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+register_configs()
+
+
+# ------------------------------------------------------------------------------------- value checks
+
+SCHEDULES = ("cosine", "constant")
+PRECISIONS = ("auto", "no", "bf16", "fp16")
+DEVICES = ("auto", "cpu")
+LOGGERS = ("none", "wandb")
+
+# (key, is the value fine?, what a fine value is)
+RULES = [
+    ("optim.lr", lambda v: v > 0, "> 0"),
+    ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1)"),
+    ("optim.eps", lambda v: v > 0, "> 0"),
+    ("optim.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("optim.schedule", lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
+    ("optim.warmup_steps", lambda v: v is None or v >= 0, ">= 0 or null"),
+    ("optim.warmup_ratio", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("optim.grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    ("train.max_steps", lambda v: v >= 1, ">= 1"),
+    ("train.batch_size", lambda v: v >= 1, ">= 1"),
+    ("train.grad_accum", lambda v: v >= 1, ">= 1"),
+    ("train.max_length", lambda v: v >= 2, ">= 2"),
+    ("train.eval_every", lambda v: v >= 0, ">= 0 (0 = only at the end)"),
+    ("train.eval_batches", lambda v: v is None or v >= 1, ">= 1 or null (the whole split)"),
+    ("train.save_every", lambda v: v >= 0, ">= 0 (0 = no periodic checkpoints)"),
+    ("train.keep_checkpoints", lambda v: v >= 1, ">= 1"),
+    ("train.log_every", lambda v: v >= 1, ">= 1"),
+    ("train.stop_after", lambda v: v is None or v >= 1, ">= 1 or null"),
+    ("logger.kind", lambda v: v in LOGGERS, f"one of {', '.join(LOGGERS)}"),
+    ("device", lambda v: v in DEVICES, f"one of {', '.join(DEVICES)}"),
+    ("precision", lambda v: v in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
+]
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise ConfigError naming the first value that is well-typed but unusable."""
+    for key, ok, wanted in RULES:
+        value = OmegaConf.select(cfg, key)
+        if not ok(value):
+            shown = list(value) if isinstance(value, ListConfig) else value
+            raise ConfigError(f"{key}={shown} is invalid: it must be {wanted}")

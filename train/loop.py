@@ -1,0 +1,323 @@
+"""The training loop: distil a draft head from a frozen target, under accelerate (one process, DDP or
+DeepSpeed ZeRO-2/3). Read top to bottom: set-up, the step, validation, checkpoints, the final head.
+
+The frozen target lives on the accelerator's device but outside `prepare`, the optimizer and the
+checkpoints: only the head is trained, wrapped and saved. Each step asks the feature source for the
+target's hidden states of the batch (computed online under no_grad, or read from an offline cache) and
+the head turns them into its loss.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.data_loader import skip_first_batches
+from accelerate.logging import get_logger
+from accelerate.utils import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin,
+                              InitProcessGroupKwargs,
+                              broadcast_object_list, set_seed)
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader, Subset
+from tqdm.auto import tqdm
+
+from heads.base import DraftHead, build_head, simulated_tau
+from heads.target import load_target
+from train.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint, save_head_folder
+from train.config import ConfigError, check_config
+from train.data import build_datasets, collate_fn, make_feature_source, token_counts
+from train.metrics import MetricsLog
+
+log = get_logger(__name__)
+
+
+def train(cfg: DictConfig) -> Path:
+    """Run one training job described by a composed `conf/train.yaml`; returns the run dir.
+
+    The run dir ends up with metrics.jsonl, checkpoints/ and final/ (unless `train.stop_after` ended the
+    job early: then the newest checkpoint is where `resume=latest` continues)."""
+    check_config(cfg)
+    t = cfg.train
+    accelerator = make_accelerator(cfg)
+    run_dir = shared_run_dir(accelerator, cfg.output_dir)
+
+    # ------------------------------------------------------------------------------------ set-up
+    target = load_frozen_target(accelerator, cfg)
+    train_ds, val_ds = build_datasets(cfg.data, target.tokenizer, t.max_length, t.seed,
+                                      main_process_first=accelerator.main_process_first)
+    set_seed(t.seed)  # the same head initialisation on every rank
+    head = build_head(cfg.head.kind, target, **OmegaConf.to_container(cfg.head.options, resolve=True))
+    head.init_from_data(token_counts(train_ds, target.config.vocab_size))
+    features = make_feature_source(cfg.data, target, head.feature_layers())
+    optimizer = make_optimizer(head, cfg.optim)
+    train_dl, val_dl = make_loaders(cfg, train_ds, val_ds, target.tokenizer.pad_token_id,
+                                    accelerator.num_processes)
+    configure_deepspeed(accelerator, cfg)
+    model, optimizer, train_dl = accelerator.prepare(head, optimizer, train_dl)
+    if val_dl is not None:
+        val_dl = accelerator.prepare(val_dl)
+    set_seed(t.seed, device_specific=True)  # training noise differs per rank
+
+    state = {"step": 0, "tokens_seen": 0, "best_sim_tau": None, "best_step": None}
+    ckpt = find_checkpoint(cfg.resume, run_dir)
+    if ckpt is not None:  # head, optimizer, RNG of every rank, sampler; then our own counters
+        state.update(load_checkpoint(accelerator, ckpt))
+        log.info(f"resumed from {ckpt} at step {state['step']}")
+    elif cfg.resume == "latest":
+        log.info(f"resume=latest: no checkpoint under {run_dir}, starting fresh")
+
+    metrics = MetricsLog(accelerator, run_dir, cfg, resumed_step=state["step"] if ckpt is not None else None)
+    step = state["step"]
+    end = t.max_steps if t.stop_after is None else min(t.max_steps, step + t.stop_after)
+    batches = endless(train_dl, first=step * t.grad_accum)
+    window = Window(accelerator)
+    bar = tqdm(total=t.max_steps, initial=step, desc=f"train {cfg.head.kind}", dynamic_ncols=True,
+               disable=not accelerator.is_main_process)
+    started = time.perf_counter()
+    max_norm = cfg.optim.grad_clip or math.inf
+    val = None
+    model.train()
+
+    # ------------------------------------------------------------------------------------ the loop
+    while step < end:
+        lr = lr_at(step, cfg.optim, t.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for _ in range(t.grad_accum):
+            batch = next(batches)
+            with accelerator.accumulate(model):
+                out = model(batch["input_ids"], batch["loss_mask"], features(batch))
+                accelerator.backward(out.loss)
+                if accelerator.sync_gradients:
+                    window.grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            window.add(out, batch)
+        step += 1
+        bar.update(1)
+
+        if step % t.log_every == 0 or step == end:
+            row = window.flush(state)
+            metrics.write({"split": "train", "step": step, **row, "lr": lr, "epoch": epoch_of(step, t, train_dl),
+                           "elapsed_s": round(time.perf_counter() - started, 2)})
+            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}")
+
+        if val_dl is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.max_steps):
+            val = validate(accelerator, model, val_dl, features)
+            metrics.write({"split": "val", "step": step, **val})
+            if state["best_sim_tau"] is None or val["sim_tau"] > state["best_sim_tau"]:
+                state.update(best_sim_tau=val["sim_tau"], best_step=step)
+                save_head_folder(accelerator, model, run_dir / "checkpoints" / "best",
+                                 recipe(cfg, accelerator, step, state, val))
+
+        if (t.save_every and step % t.save_every == 0) or (step == end < t.max_steps):
+            window.count_tokens(state)
+            save_checkpoint(accelerator, run_dir, step, state, keep=t.keep_checkpoints)
+
+    # ------------------------------------------------------------------------------------ the end
+    bar.close()
+    if step >= t.max_steps:
+        window.count_tokens(state)
+        save_head_folder(accelerator, model, run_dir / "final", recipe(cfg, accelerator, step, state, val))
+        log.info(f"trained {step} steps in {time.perf_counter() - started:.1f}s: {run_dir / 'final'}")
+    else:
+        log.info(f"stopped after step {step} (train.stop_after); continue with resume=latest "
+                 f"hydra.run.dir={run_dir}")
+    metrics.close()
+    return run_dir
+
+
+# ---------------------------------------------------------------------------------------- set-up
+
+def make_accelerator(cfg: DictConfig) -> Accelerator:
+    on_gpu = cfg.device != "cpu" and torch.cuda.is_available()
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if on_gpu else "no")
+    # Without a GPU, accelerate runs several processes as gloo ranks (MULTI_CPU) only when told `cpu=True`;
+    # DeepSpeed runs on its own CPU accelerator, needs `cpu=False` and must be told to use gloo.
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    cpu = cfg.device == "cpu" or (not on_gpu and not deepspeed)
+    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and not on_gpu else []
+    return Accelerator(
+        cpu=cpu,
+        mixed_precision=precision,
+        # the loop counts micro-steps itself: never let an epoch boundary force an early optimizer step
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.train.grad_accum,
+                                                                sync_with_dataloader=False),
+        # every epoch's shuffle is a function of (seed, epoch): a resumed run sees the same batches
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.train.seed),
+        log_with="wandb" if cfg.logger.kind == "wandb" else None,
+        kwargs_handlers=gloo,
+    )
+
+
+def shared_run_dir(accelerator: Accelerator, output_dir: str) -> Path:
+    """Every rank composes its own Hydra config (and `${now:}` can differ per rank): use rank 0's dir."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise ConfigError(f"launched as {launched} processes but accelerate sees {accelerator.num_processes}: "
+                          f"use `accelerate launch` flags that match (--multi_gpu, --use_deepspeed)")
+    box = [str(Path(output_dir).resolve())]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(box, from_process=0)
+    run_dir = Path(box[0])
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def load_frozen_target(accelerator: Accelerator, cfg: DictConfig):
+    """The target on this rank's device, never sharded: under ZeRO-3, transformers would otherwise
+    partition it at load, and it is not part of the DeepSpeed engine that would gather it back."""
+    plugin = accelerator.state.deepspeed_plugin
+    no_zero_init = plugin.zero3_init_context_manager(enable=False) if plugin is not None else nullcontext()
+    with no_zero_init:
+        return load_target(OmegaConf.to_container(cfg.target, resolve=True), device=accelerator.device)
+
+
+def make_optimizer(head: DraftHead, optim: DictConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (nanoGPT): norms and biases are not decayed."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, betas=tuple(optim.betas),
+                             eps=optim.eps)
+
+
+def make_loaders(cfg: DictConfig, train_ds, val_ds, pad_id: int, num_processes: int):
+    t = cfg.train
+    collate = collate_fn(pad_id)
+    # own generators: creating a loader iterator must not draw from the global RNG, or a resumed run's
+    # training noise would drift from the uninterrupted run's
+    train_dl = DataLoader(train_ds, batch_size=t.batch_size, shuffle=True, collate_fn=collate,
+                          generator=torch.Generator().manual_seed(t.seed))
+    if len(val_ds) == 0:
+        log.warning("no validation split (data.val_fraction=0): no simulated tau, no best checkpoint")
+        return train_dl, None
+    if t.eval_batches is not None:  # a fixed subset, the same at every validation
+        val_ds = Subset(val_ds, range(min(len(val_ds), t.eval_batches * t.batch_size * num_processes)))
+    return train_dl, DataLoader(val_ds, batch_size=t.batch_size, shuffle=False, collate_fn=collate,
+                                generator=torch.Generator().manual_seed(t.seed))
+
+
+def configure_deepspeed(accelerator: Accelerator, cfg: DictConfig) -> None:
+    """DeepSpeed clips gradients itself: give it optim.grad_clip where its config says "auto"."""
+    plugin = accelerator.state.deepspeed_plugin
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and plugin is not None:
+        if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+            plugin.deepspeed_config["gradient_clipping"] = float(cfg.optim.grad_clip)
+
+
+# ------------------------------------------------------------------------------------------ step
+
+def lr_at(step: int, optim: DictConfig, max_steps: int) -> float:
+    """Linear warmup, then cosine decay to lr * min_lr_ratio (or constant)."""
+    warmup = optim.warmup_steps if optim.warmup_steps is not None else round(optim.warmup_ratio * max_steps)
+    if step < warmup:
+        return optim.lr * (step + 1) / (warmup + 1)
+    if optim.schedule == "constant":
+        return optim.lr
+    progress = (step - warmup) / max(1, max_steps - warmup)  # 0 -> 1
+    min_lr = optim.lr * optim.min_lr_ratio
+    return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (optim.lr - min_lr)
+
+
+def endless(loader, first: int = 0):
+    """Batches across epochs, starting at micro-batch `first` (the position a resumed run stopped at)."""
+    epoch, skip = divmod(first, len(loader))
+    while True:
+        loader.set_epoch(epoch)
+        yield from (skip_first_batches(loader, skip) if skip else loader)
+        epoch, skip = epoch + 1, 0
+
+
+def epoch_of(step: int, t: DictConfig, loader) -> float:
+    return round(step * t.grad_accum / len(loader), 3)
+
+
+class Window:
+    """Sums since the last train row (per rank); `flush` reduces them across ranks."""
+
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
+        self.grad_norm = None
+        self.tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)  # since the last count
+        self.reset()
+
+    def reset(self):
+        self.loss, self.micro, self.extra = 0.0, 0, {}
+
+    def add(self, out, batch) -> None:
+        self.loss += out.loss.detach()
+        self.micro += 1
+        self.tokens += batch["attention_mask"].sum()
+        for k, v in out.metrics.items():
+            self.extra[k] = self.extra.get(k, 0.0) + float(v)
+
+    def count_tokens(self, state: dict) -> None:
+        """Add the tokens every rank has read since the last count to `state["tokens_seen"]`."""
+        state["tokens_seen"] += int(self.accelerator.reduce(self.tokens.clone(), "sum"))
+        self.tokens.zero_()
+
+    def flush(self, state: dict) -> dict:
+        """The train row: mean loss and head metrics over the window and all ranks."""
+        keys = sorted(self.extra)
+        local = torch.tensor([float(self.loss) / self.micro] + [self.extra[k] / self.micro for k in keys],
+                             device=self.accelerator.device)
+        mean = self.accelerator.reduce(local, "mean").tolist()
+        self.count_tokens(state)
+        row = {"loss": mean[0], **dict(zip(keys, mean[1:])), "tokens_seen": state["tokens_seen"]}
+        if self.grad_norm is not None:
+            row["grad_norm"] = float(self.grad_norm)
+        self.reset()
+        return row
+
+
+# ------------------------------------------------------------------------------------ validation
+
+@torch.no_grad()
+def validate(accelerator: Accelerator, model, loader, features) -> dict:
+    """Per-depth top-1 accuracy of the head's drafts on the held-out split (all ranks) and the simulated
+    tau = 1 + sum_k prod_{j<=k} acc_j they imply (design.md section 3)."""
+    model.eval()
+    correct = count = None
+    loss, batches = 0.0, 0
+    for batch in loader:
+        out = model(batch["input_ids"], batch["loss_mask"], features(batch))
+        correct = out.depth_correct.float() if correct is None else correct + out.depth_correct
+        count = out.depth_count.float() if count is None else count + out.depth_count
+        loss, batches = loss + out.loss.float(), batches + 1
+    model.train()
+    correct = accelerator.reduce(correct, "sum")  # [K]
+    count = accelerator.reduce(count, "sum")  # [K]
+    loss = accelerator.reduce(torch.as_tensor(loss / batches, device=accelerator.device), "mean")
+    acc = (correct / count.clamp(min=1)).tolist()
+    return {"loss": float(loss), "sim_tau": simulated_tau(acc),
+            **{f"acc_depth_{k + 1}": a for k, a in enumerate(acc)}}
+
+
+# ------------------------------------------------------------------------------------ the result
+
+def recipe(cfg: DictConfig, accelerator: Accelerator, step: int, state: dict, val: dict | None) -> dict:
+    """What went into a head, stored in its config.json (export writes the model card from it)."""
+    t = cfg.train
+    return {"training": {
+        "steps": step,
+        "max_steps": t.max_steps,
+        "optimizer": OmegaConf.to_container(cfg.optim, resolve=True),
+        "batch_size": t.batch_size,
+        "grad_accum": t.grad_accum,
+        "processes": accelerator.num_processes,
+        "effective_batch_size": t.batch_size * t.grad_accum * accelerator.num_processes,
+        "max_length": t.max_length,
+        "seed": t.seed,
+        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "tokens_seen": state["tokens_seen"],
+        "validation": val,
+        "best": {"step": state["best_step"], "sim_tau": state["best_sim_tau"]},
+    }}
+

@@ -1,0 +1,85 @@
+"""Train a draft head:  accelerate launch train/main.py head=eagle   (or: python train/main.py head=eagle)
+
+A thin Hydra entry point: compose conf/train.yaml with the command-line overrides, then `train(cfg)`.
+Bad input (an unknown head or target, a misspelled key, lr=0, a missing target path, an empty dataset)
+ends with one line on stderr naming the problem and exit code 2, before anything is written.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0]).resolve() == ROOT / "train":
+    sys.path.pop(0)  # run as a script: train/ itself must not shadow top-level modules (config, data, ...)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import hydra  # noqa: E402
+from hydra.errors import HydraException, MissingConfigException  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+
+from heads.base import HeadError  # noqa: E402
+from heads.target import TargetError  # noqa: E402
+from train.config import ConfigError  # noqa: E402  (registers the config schema)
+from train.data import DataError  # noqa: E402
+
+USER_ERRORS = (ConfigError, HeadError, TargetError, DataError)
+FULL_ERRORS = bool(os.environ.get("HYDRA_FULL_ERROR"))  # the user asked for Hydra's tracebacks
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from train.loop import train
+
+    try:
+        train(cfg)
+    except USER_ERRORS as exc:
+        fail(str(exc))
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def compose_error(exc: Exception) -> str:
+    """Hydra's multi-line composition errors as one line."""
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and exc.options:
+        group, _, name = exc.missing_cfg_file.rpartition("/")
+        return f"unknown {group} {name!r}: choose one of {', '.join(sorted(exc.options))}"
+    lines = [str(exc).splitlines()[0].rstrip(".")]
+    if exc.__cause__ is not None and str(exc.__cause__).strip():
+        lines.append(str(exc.__cause__).strip().splitlines()[0])
+    return ": ".join(lines) + " (see the keys with: python train/main.py --cfg job)"
+
+
+def rank_overrides(argv: list[str]) -> list[str]:
+    """Every rank of a distributed launch runs Hydra. Ranks > 0 must not write a run dir of their own
+    (with `${now:}` theirs can differ from rank 0's): give them an empty scratch dir, no output or log
+    files; `train` then uses rank 0's run dir, broadcast."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        return argv
+    scratch = tempfile.mkdtemp(prefix=f"headway-rank{rank}-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    quiet = [f"hydra.run.dir={scratch}", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+             "hydra/hydra_logging=disabled"]
+    return [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.output_subdir="))] + quiet
+
+
+if __name__ == "__main__":
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing; we print one line below
+    sys.argv = sys.argv[:1] + rank_overrides(sys.argv[1:])
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as exc:
+        if FULL_ERRORS:
+            raise
+        fail(compose_error(exc))

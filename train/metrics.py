@@ -1,0 +1,51 @@
+"""Where metrics go: `metrics.jsonl` in the run dir (always, rank 0 only) and wandb when `logger=wandb`.
+
+Rows are flat JSON objects: {"split": "train", "step": 10, "loss": ..., "lr": ..., ...} and
+{"split": "val", "step": 100, "loss": ..., "sim_tau": ..., "acc_depth_1": ..., ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from accelerate import Accelerator
+from omegaconf import DictConfig, OmegaConf
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    def __init__(self, accelerator: Accelerator, run_dir: Path, cfg: DictConfig, resumed_step: int | None):
+        self.accelerator = accelerator
+        self.path = Path(run_dir) / METRICS_FILE
+        if accelerator.is_main_process and resumed_step is not None:
+            self._forget_after(resumed_step)
+        if cfg.logger.kind == "wandb":
+            init = {"dir": os.environ.get("WANDB_DIR", str(run_dir)), "tags": list(cfg.logger.tags)}
+            init.update({k: cfg.logger[k] for k in ("entity", "name", "mode") if cfg.logger[k] is not None})
+            accelerator.init_trackers(cfg.logger.project, config=OmegaConf.to_container(cfg, resolve=True),
+                                      init_kwargs={"wandb": init})
+
+    def write(self, row: dict) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        split = row["split"]
+        values = {f"{split}/{k}": v for k, v in row.items() if k not in ("split", "step")}
+        self.accelerator.log(values, step=row["step"])
+
+    def _forget_after(self, step: int) -> None:
+        """A resumed run redoes the steps after its checkpoint: drop the killed run's rows for them."""
+        if not self.path.is_file():
+            return
+        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.path)
+
+    def close(self) -> None:
+        self.accelerator.end_training()
