@@ -80,6 +80,7 @@ class Layout:
     derived: Callable = _nothing  # head -> [head state keys rebuilt from extra tensors by `restore`]
     restore: Callable | None = None  # (head, {layout key: tensor}) -> {head key: tensor} for `derived`
     notes: tuple[str, ...] = field(default_factory=tuple)  # model-card caveats
+    usage: str = ""  # model-card markdown before the serving commands (e.g. steps to merge into the target)
 
 
 def register_layout(layout: Layout) -> Layout:
@@ -102,6 +103,6 @@ def layout_for(head_kind: str, fmt: str = "auto") -> Layout:
     return LAYOUTS[fmt]
 
 
-from heads.formats import eagle, medusa  # noqa: E402,F401  (registers their layouts)
+from heads.formats import eagle, eagle3, medusa, mtp  # noqa: E402,F401  (registers their layouts)
 
 __all__ = ["LAYOUTS", "Layout", "Serve", "ExportError", "Provenance", "layout_for", "register_layout"]

@@ -155,7 +155,7 @@ previous depth being accepted.
 
 ## Serving
 
-{serve}
+{layout.usage}{serve}
 To run it with headway itself: `heads.formats.io.load_export(<folder>)` returns the head for `infer/`.
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")

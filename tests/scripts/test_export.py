@@ -26,10 +26,16 @@ LAYER = {  # one Llama decoder layer of the tiny target, without input_layernorm
     "self_attn.o_proj.weight": [H, H], "post_attention_layernorm.weight": [H],
     "mlp.gate_proj.weight": [I, H], "mlp.up_proj.weight": [I, H], "mlp.down_proj.weight": [H, I]}
 
+EAGLE3_LAYER = {**LAYER, "self_attn.q_proj.weight": [H, 2 * H], "self_attn.k_proj.weight": [KV, 2 * H],
+                "self_attn.v_proj.weight": [KV, 2 * H], "input_layernorm.weight": [H], "hidden_norm.weight": [H]}
+
 HEADS = {  # kind -> options used here (small, but every structural option away from 1 where it matters)
     "medusa": dict(num_heads=2, num_layers=2),
     "eagle": dict(),
+    "eagle3": dict(aux_layers=[1, 2, 3], draft_vocab_size=100, ttt_steps=2),
+    "mtp": dict(num_modules=2),
 }
+VD = 100  # eagle3 draft vocabulary
 
 # The exact tensors (name -> shape) each layout must hold for the heads above.
 EXPECTED = {
@@ -40,8 +46,18 @@ EXPECTED = {
                            for i in range(2) for j in range(2) for p in ("weight", "bias")},
                         "0.2.weight": [V, H], "1.2.weight": [V, H]},
     "eagle": {"fc.weight": [H, 2 * H], **{f"layers.0.{k}": s for k, s in LAYER.items()}},
+    "eagle3": {"fc.weight": [H, 3 * H], "norm.weight": [H], "lm_head.weight": [VD, H], "d2t": [VD], "t2d": [V],
+               **{f"midlayer.{k}": s for k, s in EAGLE3_LAYER.items()}},
+    "eagle3-speculators": {"fc.weight": [H, 3 * H], "norm.weight": [H], "lm_head.weight": [VD, H], "d2t": [VD],
+                           "t2d": [V], **{f"layers.0.{k}": s for k, s in EAGLE3_LAYER.items()}},
+    "mtp": {f"model.layers.{4 + k}.{name}": shape for k in range(2) for name, shape in {
+        "enorm.weight": [H], "hnorm.weight": [H], "eh_proj.weight": [H, 2 * H], "shared_head.norm.weight": [H],
+        "shared_head.head.weight": [V, H], "input_layernorm.weight": [H], **LAYER}.items()},
 }
-FILES = {"medusa-original": "medusa_lm_head.safetensors"}
+FILES = {  # every file of each layout
+    "medusa-original": ["config.json", "medusa_lm_head.safetensors"],
+    "mtp": ["model-mtp.safetensors", "merge_into_config.json", "merge_into_index.json"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +72,8 @@ def finals(target, tmp_path_factory):
     for kind, options in HEADS.items():
         torch.manual_seed(0)
         head = build_head(kind, target, **options)
+        if kind == "eagle3":  # a draft vocabulary that is not simply the first ids
+            head.init_from_data(torch.randint(0, 1000, (V,)))
         with torch.no_grad():  # away from init: zero-init blocks would hide a wrong mapping
             for p in head.parameters():
                 p.normal_(0, 0.2)
@@ -90,10 +108,12 @@ def test_layout_keys_reload_and_card(fmt, target, finals, tmp_path):
     kind = LAYOUTS[fmt].head_kind
     final, head = finals[kind]
     out = export_head(final, tmp_path / fmt, fmt, target=target)
-    weights = FILES.get(fmt, "model.safetensors")
-    assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", "config.json", "headway.json", weights])
-    tensors = load_file(str(out / weights))
+    files = FILES.get(fmt, ["config.json", "model.safetensors"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", "headway.json", *files])
+    tensors = load_file(str(out / LAYOUTS[fmt].weights_file))
     assert {k: list(v.shape) for k, v in tensors.items()} == EXPECTED[fmt]
+    assert {k: v.dtype for k, v in tensors.items() if v.dtype != torch.float32} == (
+        {"d2t": torch.int64, "t2d": torch.bool} if kind == "eagle3" else {})
 
     back = load_export(out, target=target)
     for name, value in head.state_dict().items():
@@ -111,7 +131,7 @@ def test_layout_keys_reload_and_card(fmt, target, finals, tmp_path):
 
 
 def test_format_auto_picks_the_primary_layout(target, finals, tmp_path):
-    for kind, want in (("medusa", "medusa"), ("eagle", "eagle")):
+    for kind, want in (("medusa", "medusa"), ("eagle", "eagle"), ("eagle3", "eagle3"), ("mtp", "mtp")):
         out = export_head(finals[kind][0], tmp_path / kind, "auto", target=target)
         assert json.loads((out / "headway.json").read_text())["format"] == want
 
@@ -168,6 +188,123 @@ def test_eagle_config_and_engine_forward(target, finals, tmp_path):
         h = layer(x, attention_mask=mask, position_embeddings=rope)
         h = h[0] if isinstance(h, tuple) else h
     torch.testing.assert_close(target.model.lm_head(h[:, -1]), draft(head, target, ids)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_mtp_merge_files_and_engine_forward(target, finals, tmp_path):
+    """vLLM DeepSeekMTP, module 1 at the newest position: block(eh_proj(cat(enorm(embed x_{m}), hnorm(h_{m-1}))))
+    read out by shared_head.head(shared_head.norm(.)). The block is the target's decoder layer, loaded from the
+    shard the way vLLM rewrites `model.layers.{N}.*` into `mtp_block.*`."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    final, head = finals["mtp"]
+    out = export_head(final, tmp_path / "m", "mtp", target=target)
+    assert json.loads((out / "merge_into_config.json").read_text()) == {"num_nextn_predict_layers": 2}
+    index = json.loads((out / "merge_into_index.json").read_text())["weight_map"]
+    assert index == {k: "model-mtp.safetensors" for k in EXPECTED["mtp"]}
+
+    w = load_file(str(out / "model-mtp.safetensors"))
+    assert torch.equal(w["model.layers.4.shared_head.head.weight"], target.model.lm_head.weight)
+    p = "model.layers.4."
+    block = LlamaDecoderLayer(target.config, layer_idx=0)
+    block.load_state_dict({k[len(p):]: v for k, v in w.items() if k.startswith(p) and k[len(p):].split(".")[0]
+                           in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")})
+
+    def rms(x, weight):
+        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + target.config.rms_norm_eps)
+
+    ids = prompt_ids(target)
+    T = ids.shape[1]
+    h0 = compute_features(target.model, ids, None, []).last_hidden[:, :-1]  # h^0_0..h^0_{m-1}
+    emb = target.model.get_input_embeddings()(ids[:, 1:])
+    x = torch.cat([rms(emb, w[p + "enorm.weight"]), rms(h0, w[p + "hnorm.weight"])], -1) @ w[p + "eh_proj.weight"].T
+    rope = target.model.model.rotary_emb(x, torch.arange(T - 1)[None])
+    mask = torch.full((T - 1, T - 1), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        h1 = block(x, attention_mask=mask, position_embeddings=rope)
+        h1 = h1[0] if isinstance(h1, tuple) else h1
+    logits = rms(h1[:, -1], w[p + "shared_head.norm.weight"]) @ w[p + "shared_head.head.weight"].T
+    torch.testing.assert_close(logits, draft(head, target, ids)[0], rtol=1e-4, atol=1e-4)
+    card = (out / "README.md").read_text()
+    assert "merge_into_index.json" in card and '"method": "mtp"' in card and "DeepSeek-V2/V3" in card
+
+
+def eagle3_engine_logits(out, weights, prefix, target, ids, aux):
+    """vLLM/SGLang Eagle3 first draft step, from the exported files alone: g = fc(cat(aux hidden states));
+    x = cat(input_layernorm(embed), hidden_norm(g)); h = g + attn(x); o = h + mlp(post_norm(h));
+    draft logits = lm_head(norm(o)) scattered to target ids d2t[i] + i (-inf elsewhere)."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    cfg = json.loads((out / "config.json").read_text())
+    layer_cfg = AutoConfig.for_model("llama", **{k: v for k, v in cfg.get("transformer_layer_config", cfg).items()
+                                                 if k not in ("architectures", "model_type")})
+    layer = LlamaDecoderLayer(layer_cfg, layer_idx=0)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(layer.self_attn, name, torch.nn.Linear(2 * H, getattr(layer.self_attn, name).out_features, bias=False))
+    layer.hidden_norm = type(layer.input_layernorm)(H, eps=layer_cfg.rms_norm_eps)
+    layer.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
+    norm = type(layer.input_layernorm)(H, eps=layer_cfg.rms_norm_eps)
+    norm.load_state_dict({"weight": weights["norm.weight"]})
+
+    T = ids.shape[1]
+    hs = target.model(ids, output_hidden_states=True).hidden_states
+    g = torch.cat([hs[a][:, :-1] for a in aux], -1) @ weights["fc.weight"].T
+    emb = target.model.get_input_embeddings()(ids[:, 1:])
+    x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(g)], -1)
+    rope = target.model.model.rotary_emb(x, torch.arange(T - 1)[None])
+    mask = torch.full((T - 1, T - 1), float("-inf")).triu(1)[None, None]
+    h = g + layer.self_attn(hidden_states=x, position_embeddings=rope, attention_mask=mask)[0]
+    o = h + layer.mlp(layer.post_attention_layernorm(h))
+    draft = norm(o[:, -1]) @ weights["lm_head.weight"].T  # [1, Vd]
+    full = torch.full((1, V), float("-inf"))
+    full[:, torch.arange(VD) + weights["d2t"]] = draft
+    assert weights["t2d"].sum() == VD and weights["t2d"][torch.arange(VD) + weights["d2t"]].all()
+    return full
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "eagle3-speculators"])
+def test_eagle3_configs_and_engine_forward(fmt, target, finals, tmp_path):
+    from transformers import AutoConfig
+
+    final, head = finals["eagle3"]
+    out = export_head(final, tmp_path / "e3", fmt, target=target, base_model="org/target", num_speculative_tokens=3)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["draft_vocab_size"], cfg["target_hidden_size"], cfg["norm_before_residual"]) == (VD, H, False)
+    vllm_ids = cfg["eagle_aux_hidden_state_layer_ids"]
+    assert vllm_ids == [1, 2, 3]  # vLLM: input of decoder layer i = hidden_states[i]
+    if fmt == "eagle3":
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["vocab_size"] == V
+        assert not cfg["tie_word_embeddings"] and cfg["num_hidden_layers"] == 1
+        # SGLang: capture before layer id + 1, i.e. the output of layer id
+        assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}
+        assert AutoConfig.from_pretrained(out).num_hidden_layers == 1
+        sglang_ids = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        assert sglang_ids == vllm_ids  # both engines feed fc the same hidden states
+        prefix = "midlayer."
+    else:
+        assert cfg["architectures"] == ["Eagle3Speculator"] and cfg["speculators_model_type"] == "eagle3"
+        spec = cfg["speculators_config"]
+        assert spec["verifier"]["name_or_path"] == "org/target"
+        assert spec["proposal_methods"][0]["speculative_tokens"] == 3
+        assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+        prefix = "layers.0."
+    w = load_file(str(out / "model.safetensors"))
+    ids = prompt_ids(target)
+    with torch.no_grad():
+        want = eagle3_engine_logits(out, w, prefix, target, ids, vllm_ids)
+    got = draft(head, target, ids)[0]
+    assert torch.equal(got.isinf(), want.isinf())
+    torch.testing.assert_close(got[~got.isinf()], want[~want.isinf()], rtol=1e-4, atol=1e-4)
+
+
+def test_eagle3_aux_layers_engines_cannot_capture_are_refused(target, tmp_path):
+    torch.manual_seed(0)
+    for aux in ([2, 2, 1], [0, 2, 3], [1, 2, 4], [3, 1, 2]):
+        head = build_head("eagle3", target, aux_layers=aux, draft_vocab_size=VD)
+        save_head(head, tmp_path / "final", extra={})
+        with pytest.raises(ExportError, match=r"cannot be served: vLLM and SGLang capture each decoder-layer input"):
+            export_head(tmp_path / "final", tmp_path / "out", "eagle3", target=target)
+        assert not (tmp_path / "out").exists()
 
 
 def test_eagle_zero_fc_bias_for_sglang(target, finals, tmp_path):

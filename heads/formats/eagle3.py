@@ -1,0 +1,106 @@
+"""EAGLE-3 layouts: the official layout vLLM and SGLang load (`eagle3`) and vLLM's speculators layout
+(`eagle3-speculators`, `vllm serve DIR` with no flags).
+
+headway's EAGLE-3 head already uses the official names (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`),
+so `eagle3` is the identity map and the speculators layout renames `midlayer.` to `layers.0.`.
+
+Aux-layer ids. The head fuses hidden_states[a] for a in `aux_layers`, i.e. the *input* of decoder layer a.
+The engines count differently:
+  * vLLM captures `hidden_states + residual` before layer i for every i in `eagle_aux_hidden_state_layer_ids`
+    (top-level key, read first; also the speculators key): vLLM id = a.
+  * SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and captures before layer id + 1, i.e. the
+    *output* of layer id (SpecForge writes [1, N//2-1, N-4] for the default [2, N//2, N-3]): SGLang id = a - 1.
+Both engines capture in ascending layer order, once per id, and neither can capture the embedding output
+(a = 0) or the final-normed state (a = N). So the export writes both keys, each in its engine's convention
+(vLLM's top-level key wins in vLLM, SGLang only reads eagle_config), and refuses aux layers outside
+[1, N-1], repeated or out of ascending order. `norm_before_residual: false`: the fused feature, not its norm,
+is the residual (EAGLE-3's code; the speculators default is true, so it is always written).
+"""
+
+from __future__ import annotations
+
+import json
+
+from heads.formats import Layout, Serve, register_layout
+from heads.formats.common import ExportError, llama_layer_fields
+
+SPEC_PREFIX = "layers.0."
+
+
+def engine_aux_ids(head) -> tuple[list[int], list[int]]:
+    """(vLLM ids, SGLang ids) of the head's aux layers; refuses layers no engine can capture."""
+    aux, N = list(head.aux_layers), head.target_config.num_hidden_layers
+    if any(not 1 <= a <= N - 1 for a in aux) or aux != sorted(set(aux)):
+        raise ExportError(f"eagle3 aux_layers={aux} cannot be served: vLLM and SGLang capture each decoder-layer "
+                          f"input once, in ascending order, for layers 1..{N - 1}; retrain with distinct "
+                          f"ascending aux_layers in [1, {N - 1}]")
+    return aux, [a - 1 for a in aux]
+
+
+def official_names(head) -> dict[str, str]:
+    return {key: key for key in head.state_dict()}
+
+
+def speculators_names(head) -> dict[str, str]:
+    return {key.replace("midlayer.", SPEC_PREFIX, 1): key for key in head.state_dict()}
+
+
+def eagle3_fields(head) -> dict:
+    vllm_ids, _ = engine_aux_ids(head)
+    return {"draft_vocab_size": head.draft_vocab_size, "target_hidden_size": head.target_config.hidden_size,
+            "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": vllm_ids}
+
+
+def official_config(head, prov) -> dict:
+    _, sglang_ids = engine_aux_ids(head)
+    return {"config.json": {
+        "architectures": ["LlamaForCausalLMEagle3"], **llama_layer_fields(head.target_config), **eagle3_fields(head),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True}}}
+
+
+def speculators_config(head, prov) -> dict:
+    layer = {"architectures": ["LlamaForCausalLM"], **llama_layer_fields(head.target_config)}
+    target_arch = list(getattr(head.target_config, "architectures", None) or [])
+    return {"config.json": {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer, **eagle3_fields(head), "tie_word_embeddings": False,
+        "torch_dtype": layer["torch_dtype"],
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": prov.num_speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": prov.target_name, "architectures": target_arch}}}}
+
+
+def official_serve(where: str, prov) -> list[Serve]:
+    k = prov.num_speculative_tokens
+    spec = json.dumps({"method": "eagle3", "model": where, "num_speculative_tokens": k})
+    sglang = (f"python -m sglang.launch_server --model-path {prov.target_name} --speculative-algorithm EAGLE3 "
+              f"--speculative-draft-model-path {where} --speculative-num-steps {k} --speculative-eagle-topk 8 "
+              f"--speculative-num-draft-tokens 64")
+    return [Serve("vLLM", f"vllm serve {prov.target_name} --speculative-config '{spec}'"), Serve("SGLang", sglang)]
+
+
+def speculators_serve(where: str, prov) -> list[Serve]:
+    return [Serve("vLLM", f"vllm serve {where}"),
+            Serve("SGLang", note="SGLang reads the official layout: export the head with `format=eagle3`.")]
+
+
+DESCRIPTION = ("`fc.weight` [h, 3h] over the concatenated aux hidden states, one decoder layer whose q/k/v read "
+               "`cat(input_layernorm(embed), hidden_norm(fused))` [2h] with the fused feature as residual, "
+               "`norm.weight`, `lm_head.weight` [Vd, h] over the draft vocabulary, `d2t` (int64 [Vd], target id = "
+               "draft id + d2t[draft id]) and `t2d` (bool [V]); no `embed_tokens` (the target's is shared). "
+               "`eagle_aux_hidden_state_layer_ids` (top level) counts layer inputs as vLLM does; "
+               "`eagle_config.eagle_aux_hidden_state_layer_ids` counts layer outputs (= vLLM id - 1) as SGLang does.")
+
+register_layout(Layout(
+    name="eagle3", head_kind="eagle3", primary=True, weights_file="model.safetensors",
+    tensor_names=official_names, configs=official_config, serve=official_serve, library_name="vllm",
+    description="Official EAGLE-3 layout (`LlamaForCausalLMEagle3`, loaded by vLLM and SGLang): decoder layer "
+                "`midlayer.*`; " + DESCRIPTION))
+
+register_layout(Layout(
+    name="eagle3-speculators", head_kind="eagle3", primary=False, weights_file="model.safetensors",
+    tensor_names=speculators_names, configs=speculators_config, serve=speculators_serve, library_name="vllm",
+    description="vLLM speculators layout (`Eagle3Speculator`; `vllm serve <this>` starts the verifier named in "
+                "`speculators_config` with this drafter): decoder layer `layers.0.*`; " + DESCRIPTION))
