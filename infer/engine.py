@@ -43,6 +43,7 @@ from torch import Tensor
 
 from heads.base import TargetFeatures
 from infer.calibrate import TreeBudget, calibrate_latency  # noqa: F401  (calibrate_latency re-exported)
+from infer.drafters import Sampling
 from infer.kv_cache import CacheFullError, PagedKVCache  # noqa: F401  (CacheFullError re-exported)
 from infer.sampling import sample, warp_probs
 from infer.tree import ancestor_mask, attention_mask, causal_ancestors, depths
@@ -111,15 +112,6 @@ class GenerationStats:
 class GenerationOutput:
     tokens: list[list[int]]  # new tokens per prompt
     stats: GenerationStats
-
-
-@dataclass
-class Draft:
-    """A draft tree per row: node 0 is the root (the last committed token, not yet in the target cache)."""
-
-    tokens: Tensor  # [B, N]; -1 marks padding nodes (never accepted)
-    parents: Tensor  # [N] or [B, N]; parents[0] = -1, parents[i] < i
-    draft_probs: Tensor | None = None  # [B, N, V] if children were *sampled* from these (SpecInfer rule)
 
 
 def encode_prompts(tokenizer, texts: list[str], chat: bool = True) -> list[list[int]]:
@@ -247,7 +239,8 @@ class _Run:
                                 hidden=bool(self.layers))
         first = self.pick(out.logits[:, 0])  # [B]
         if self.drafter:
-            self.drafter.reset(self.prompt, self.lens, self.cache.max_seq_len)
+            self.drafter.reset(self.prompt, self.lens, self.cache.max_seq_len,
+                               Sampling(self.temperature, self.top_k, self.top_p, self.generator))
             # the feature at position t predicts token t+1: tokens x_1..x_m pair with features 0..m-1
             nxt = torch.cat([self.prompt[:, 1:], self.prompt[:, :1]], 1)
             nxt.scatter_(1, keep, first[:, None])
@@ -283,7 +276,7 @@ class _Run:
         tree_depth = (depth.expand(self.B, n) * (tokens >= 0)).amax(-1)
         self.stats.record(num, tree_depth, ~self.done)
         positions = plan.start[:, None] + torch.arange(path.shape[1])
-        self.drafter.commit(new, self.features(out, path), positions, num)
+        self.drafter.commit(new.clamp(min=0), self.features(out, path), positions, num)
         self.emit(new, num)
         return new.gather(1, (num - 1)[:, None])[:, 0]
 

@@ -37,26 +37,27 @@ def depths(anc: Tensor) -> Tensor:
 
 def attention_mask(start: Tensor, anc: Tensor, read_len: int, dtype: torch.dtype,
                    num_new: Tensor | None = None) -> Tensor:
-    """4D additive mask [B, 1, N, read_len] for N new tokens of each row stored from position start[b].
+    """4D additive mask [B, 1, Q, read_len] for Q query tokens over a block of T >= Q tree tokens stored
+    from position start[b] (the queries are that block's last Q tokens; usually T = Q).
 
-    Key j is visible to new token i of row b when j is committed context (j < start[b]) or j holds new
-    token j - start[b] that is i's ancestor-or-self (`anc` [B or 1, N, N]; lower-triangular = causal
-    prefill). With `num_new`, keys of padded new tokens (>= num_new[b]) are hidden; padded queries still
-    see the real tokens, so no row of the mask is empty (an empty row would make SDPA produce NaN)."""
-    batch, n = start.shape[0], anc.shape[-1]
+    Key j is visible to query i of row b when j is committed context (j < start[b]) or j holds block token
+    j - start[b] that is i's ancestor-or-self (`anc` [B or 1, Q, T]; lower-triangular = causal prefill).
+    With `num_new`, keys of padded block tokens (>= num_new[b]) are hidden; padded queries still see the
+    real tokens, so no row of the mask is empty (an empty row would make SDPA produce NaN)."""
+    batch, q, t = start.shape[0], anc.shape[-2], anc.shape[-1]
     keys = torch.arange(read_len, device=anc.device)
     start = start.to(anc.device)
-    if n == 1:  # a plain decoding step: everything stored so far plus itself (the hot path, keep it lean)
+    if t == 1:  # a plain decoding step: everything stored so far plus itself (the hot path, keep it lean)
         hidden = keys[None] > start[:, None]  # [B, L]
         return torch.zeros(hidden.shape, dtype=dtype, device=anc.device).masked_fill_(
             hidden, torch.finfo(dtype).min)[:, None, None]
-    rel = keys[None] - start[:, None]  # [B, L] position of key j among the new tokens
-    in_new = (rel >= 0) & (rel < (n if num_new is None else num_new.to(anc.device)[:, None]))
-    tree = anc.expand(batch, n, n).gather(2, rel.clamp(0, n - 1)[:, None, :].expand(batch, n, read_len))
-    visible = (rel < 0)[:, None, :] | (in_new[:, None, :] & tree)  # [B, N, L]
+    rel = keys[None] - start[:, None]  # [B, L] index of key j in the block
+    in_block = (rel >= 0) & (rel < (t if num_new is None else num_new.to(anc.device)[:, None]))
+    tree = anc.expand(batch, q, t).gather(2, rel.clamp(0, t - 1)[:, None, :].expand(batch, q, read_len))
+    visible = (rel < 0)[:, None, :] | (in_block[:, None, :] & tree)  # [B, Q, L]
     if num_new is not None:  # padded queries attend to every real token
-        pad_query = torch.arange(n, device=anc.device)[None, :] >= num_new.to(anc.device)[:, None]
-        visible |= pad_query[:, :, None] & ((rel < 0) | in_new)[:, None, :]
+        pad_query = torch.arange(t - q, t, device=anc.device)[None, :] >= num_new.to(anc.device)[:, None]
+        visible |= pad_query[:, :, None] & ((rel < 0) | in_block)[:, None, :]
     mask = torch.zeros(visible.shape, dtype=dtype, device=anc.device)
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
 

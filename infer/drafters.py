@@ -1,0 +1,479 @@
+"""Drafting policies behind one `Drafter` interface used by the engine.
+
+Engine-facing interface (all tensors batched over B rows, rows ragged):
+    feature_layers() -> list[int]     target hidden_states indices the drafter needs at commit
+    max_nodes(budget) -> int          tree nodes (root included) it will propose under a budget
+    reset(prompt [B, P], lengths [B], max_len, sampling)   a new generation
+    commit(tokens [B, n], feats, positions [B, n], num_valid [B])
+        newly committed context, as in DraftHead.draft_begin: tokens[:, i] is the token after feature
+        position positions[:, i]; the last valid token is the new root (not yet seen by the target)
+    propose(root [B], max_nodes) -> Draft(tokens [B, N], parents, draft_probs)
+
+Drafters:
+    TreeDrafter(proposer, policy)   a model that scores continuations (a DraftHead via HeadProposer, or a
+                                    standalone draft model via DraftModelProposer) + a tree policy:
+        Chain(gamma)                gamma tokens, top-1 (or sampled from the warped draft distribution
+                                    at temperature > 0 with sample=True: SpecInfer/Leviathan rule)
+        StaticTree(choices)         Medusa-style choice list (paths of top-k ranks); `StaticTree.
+                                    from_accuracies` derives one from measured per-depth accuracies
+        DynamicTree(total_tokens, depth, top_k)   EAGLE-2: expand the top_k nodes by cumulative draft
+                                    log-probability per depth, keep the best total_tokens
+    PromptLookup(gamma, max_ngram, min_ngram)   n-gram match in the context (no model)
+
+Deterministic children (top-k) always carry distinct sibling tokens and propose with draft_probs=None
+(target-only rule: lossless at any temperature). Build from names with `build_drafter`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from heads.base import DraftHead, HeadError
+from heads.target import Target
+from infer.kv_cache import PagedKVCache
+from infer.sampling import sample, warp_probs
+from infer.tree import attention_mask, chain_parents
+
+
+@dataclass
+class Draft:
+    """A draft tree per row: node 0 is the root (the last committed token, not yet in the target cache)."""
+
+    tokens: Tensor  # [B, N]; -1 marks padding nodes (never accepted)
+    parents: Tensor  # [N] or [B, N]; parents[0] = -1, parents[i] < i
+    draft_probs: Tensor | None = None  # [B, N, V] if children were *sampled* from these (SpecInfer rule)
+
+
+@dataclass
+class Sampling:
+    """How the engine samples; drafters that *sample* proposals must warp identically."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+
+class Drafter:
+    def feature_layers(self) -> list[int]:
+        return []
+
+    def max_nodes(self, budget: int) -> int:
+        raise NotImplementedError
+
+    def reset(self, prompt: Tensor, lengths: Tensor, max_len: int, sampling: Sampling | None = None) -> None:
+        raise NotImplementedError
+
+    def commit(self, tokens: Tensor, feats, positions: Tensor, num_valid: Tensor) -> None:
+        raise NotImplementedError
+
+    def propose(self, root: Tensor, max_nodes: int) -> Draft:
+        raise NotImplementedError
+
+
+# ============================================================================ proposers (who scores)
+
+class HeadProposer:
+    """A trained (or fresh) DraftHead through its draft_state/draft_begin/draft_expand/draft_end hooks."""
+
+    def __init__(self, head: DraftHead):
+        self.head = head.eval()
+        self.state = None
+        self.device = next(head.parameters()).device if any(True for _ in head.parameters()) else torch.device("cpu")
+
+    @property
+    def max_depth(self) -> int | None:
+        return self.head.max_draft_depth
+
+    def feature_layers(self) -> list[int]:
+        return list(self.head.feature_layers())
+
+    def reset(self, prompt: Tensor, lengths: Tensor, max_len: int) -> None:
+        self.state = self.head.draft_state(prompt.shape[0], max_len)
+
+    def begin(self, tokens, feats, positions, num_valid):
+        dev = self.device
+        return self.head.draft_begin(self.state, tokens.to(dev), feats, positions.to(dev), num_valid.to(dev))
+
+    def expand(self, depth, tokens, parent_hidden, parents, positions):
+        dev = self.device
+        return self.head.draft_expand(self.state, depth, tokens.to(dev), parent_hidden, parents.to(dev),
+                                      positions.to(dev))
+
+    def end(self) -> None:
+        self.head.draft_end(self.state)
+
+
+class DraftModelProposer:
+    """A standalone causal LM sharing the target's tokenizer, with its own paged KV cache.
+
+    After `begin` its cache holds exactly the committed tokens x_0..x_m (the root x_m included); `expand`
+    appends tree nodes after them (tree mask: context + ancestors + self), `end` rolls them back."""
+
+    max_depth = None
+
+    def __init__(self, model, block_size: int = 16):
+        self.model = model.eval()
+        self.block_size = block_size
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    def feature_layers(self) -> list[int]:
+        return []
+
+    def reset(self, prompt: Tensor, lengths: Tensor, max_len: int) -> None:
+        self.cache = PagedKVCache.for_model(self.model.config, batch_size=prompt.shape[0],
+                                            max_seq_len=max_len + 1024,  # + this round's tree nodes
+                                            block_size=self.block_size, dtype=self.dtype, device=self.device)
+        self.first = prompt[:, :1]  # x_0: the target's features start at position 0, predicting x_1
+        self.round_anc = None  # [B, M, M] ancestors among this round's expanded nodes
+
+    def begin(self, tokens, feats, positions, num_valid):
+        if self.first is not None:  # the very first commit also carries x_0
+            tokens, num_valid = torch.cat([self.first, tokens], 1), num_valid + 1
+            self.first = None
+        width = tokens.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool).tril()[None]
+        logits = self._forward(tokens, num_valid, causal, self.cache.lengths[:, None] + torch.arange(width),
+                               keep=(num_valid - 1)[:, None])
+        self.committed = self.cache.lengths.clone()
+        self.round_anc = None
+        return logits[:, 0], torch.zeros(tokens.shape[0], 1, device=self.device)  # no hidden state to carry
+
+    def expand(self, depth, tokens, parent_hidden, parents, positions):
+        B, n = tokens.shape
+        new_anc = self._ancestors_of_new(parents)  # [B, n, M]
+        anc = torch.cat([new_anc, torch.eye(n, dtype=torch.bool).expand(B, n, n)], 2)  # [B, n, M + n]
+        pos = (self.committed - 1 + depth)[:, None].expand(B, n)  # the root x_m sits at committed - 1
+        logits = self._forward(tokens, torch.full((B,), n), anc, pos, keep=0)
+        self._grow(new_anc)
+        return logits, parent_hidden
+
+    def end(self) -> None:
+        self.cache.truncate(self.committed)
+        self.round_anc = None
+
+    def _forward(self, tokens, num_new, anc, pos, keep):
+        plan = self.cache.prepare(num_new, tokens.shape[1])
+        start = self.committed if anc.shape[-1] > anc.shape[-2] else plan.start  # expand: tree block from committed
+        mask = attention_mask(start, anc, plan.read_len, self.dtype,
+                              None if anc.shape[-1] > anc.shape[-2] else num_new)
+        out = self.model(input_ids=tokens.to(self.device), position_ids=pos.to(self.device),
+                         attention_mask=mask.to(self.device), cache=self.cache, use_cache=True, logits_to_keep=keep)
+        return out.logits.float()
+
+    def _ancestors_of_new(self, parents: Tensor) -> Tensor:
+        B, n = parents.shape
+        if self.round_anc is None:
+            return torch.zeros(B, n, 0, dtype=torch.bool)
+        M = self.round_anc.shape[-1]
+        idx = parents.clamp(min=0).cpu()
+        anc = self.round_anc.gather(1, idx[:, :, None].expand(B, n, M))
+        anc |= torch.nn.functional.one_hot(idx, M).bool()
+        return anc & (parents.cpu() >= 0)[:, :, None]
+
+    def _grow(self, new_anc: Tensor) -> None:
+        B, n, M = new_anc.shape
+        grown = torch.zeros(B, M + n, M + n, dtype=torch.bool)
+        if M:
+            grown[:, :M, :M] = self.round_anc
+        grown[:, M:, :M] = new_anc
+        self.round_anc = grown
+
+
+# ============================================================================== tree policies (what)
+
+class Chain:
+    """gamma tokens, each the proposer's top-1 (or, with sample=True at temperature > 0, a sample from the
+    warped draft distribution, verified with the SpecInfer rule)."""
+
+    def __init__(self, gamma: int = 5, sample: bool = False):
+        if gamma < 1:
+            raise ValueError(f"chain needs gamma >= 1, got {gamma}")
+        self.gamma, self.sample = gamma, sample
+
+    def size(self, max_depth: int | None) -> int:
+        return 1 + min(self.gamma, max_depth or self.gamma)
+
+    def build(self, proposer, root: Tensor, logits: Tensor, hidden: Tensor, max_nodes: int, last_pos: Tensor,
+              sampling: Sampling):
+        B = root.shape[0]
+        sampled = self.sample and sampling.temperature > 0
+        tokens, probs = [root.cpu()], []
+        parents = torch.full((B, 1), -1)
+        for depth in range(1, max_nodes):
+            if sampled:
+                q = warp_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, V]
+                tok = sample(q, sampling.generator).cpu()
+                probs.append(q)
+            else:
+                tok = logits.argmax(-1).cpu()
+            tokens.append(tok)
+            if depth == max_nodes - 1:
+                break
+            logits, hidden = proposer.expand(depth, tok[:, None], hidden[:, None], parents,
+                                             (last_pos + depth)[:, None])
+            logits, hidden = logits[:, 0], hidden[:, 0]
+            parents = torch.full((B, 1), depth - 1)
+        draft_probs = None
+        if sampled:  # the leaf has no children: its row is never read
+            draft_probs = torch.stack(probs + [probs[-1]], 1).float()
+        return torch.stack(tokens, 1), chain_parents(len(tokens)), draft_probs
+
+
+class StaticTree:
+    """A Medusa-style static tree: `choices` lists paths of top-k ranks from the root, e.g.
+    [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]: node (0, 1) is the second-best child of the best
+    depth-1 token. The list must be prefix-closed; it is truncated in order to the budget."""
+
+    def __init__(self, choices):
+        paths = [tuple(int(r) for r in c) for c in choices]
+        known = set()
+        for p in paths:
+            if not p or min(p) < 0:
+                raise ValueError(f"static tree choice {p} must be a non-empty tuple of ranks >= 0")
+            if len(p) > 1 and p[:-1] not in known:
+                raise ValueError(f"static tree choice {p} comes before (or without) its parent {p[:-1]}")
+            known.add(p)
+        self.choices = paths
+
+    @classmethod
+    def from_accuracies(cls, accuracies, total_nodes: int = 32, top_k: int = 10) -> "StaticTree":
+        """The tree maximising expected accepted length for measured accuracies: accuracies[d][r] =
+        P(rank-r candidate right at depth d+1 | path right so far), or per-depth top-1 rates a_d (then the
+        rank-r rate is modelled as a_d (1 - a_d)^r, as in infer.roofline). Greedy by path probability
+        (Medusa's construction): a child is never likelier than its parent, so the result is a tree."""
+        rates = [list(a) if hasattr(a, "__len__") else [float(a) * (1 - float(a)) ** r for r in range(top_k)]
+                 for a in accuracies]
+        heap, chosen = [(-rates[0][0], (0,))], []
+        while heap and len(chosen) < total_nodes - 1:
+            neg, path = heapq.heappop(heap)
+            chosen.append(path)
+            depth, rank = len(path), path[-1]
+            if rank + 1 < len(rates[depth - 1]):  # the next sibling
+                parent_p = -neg / max(rates[depth - 1][rank], 1e-12)
+                heapq.heappush(heap, (-parent_p * rates[depth - 1][rank + 1], path[:-1] + (rank + 1,)))
+            if depth < len(rates):  # the first child
+                heapq.heappush(heap, (neg * rates[depth][0], path + (0,)))
+        return cls(chosen)
+
+    def size(self, max_depth: int | None) -> int:
+        return 1 + len([p for p in self.choices if max_depth is None or len(p) <= max_depth])
+
+    def build(self, proposer, root, logits, hidden, max_nodes, last_pos, sampling):
+        paths = [p for p in self.choices if proposer.max_depth is None or len(p) <= proposer.max_depth]
+        paths = sorted(paths[:max_nodes - 1], key=len)  # breadth first; parents stay before children
+        index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
+        B = root.shape[0]
+        tokens = torch.empty(B, len(paths) + 1, dtype=torch.long)
+        tokens[:, 0] = root.cpu()
+        node_logits = {0: logits}  # node -> [B, V] logits of its children (only nodes with children)
+        node_hidden, expanded = {0: hidden}, {0: -1}  # expanded: node -> index among expanded nodes
+        parents_of = torch.tensor([-1] + [index[p[:-1]] for p in paths])
+        has_kids = set(index[p[:-1]] for p in paths)
+        count = 0
+        for depth in range(1, max((len(p) for p in paths), default=0) + 1):
+            level = [p for p in paths if len(p) == depth]
+            ranked = {}  # parent -> its children's tokens by rank [B, r]: one topk per parent
+            for p in level:
+                parent, need = index[p[:-1]], max(q[-1] for q in level if q[:-1] == p[:-1]) + 1
+                if parent not in ranked:
+                    ranked[parent] = node_logits[parent].topk(need, -1).indices.cpu()
+                tokens[:, index[p]] = ranked[parent][:, p[-1]]
+            grow = [p for p in level if index[p] in has_kids]
+            if not grow:
+                continue
+            nodes = [index[p] for p in grow]
+            par_h = torch.stack([node_hidden[index[p[:-1]]] for p in grow], 1)
+            par = torch.tensor([expanded[index[p[:-1]]] for p in grow]).expand(B, -1)
+            out_logits, out_hidden = proposer.expand(depth, tokens[:, nodes], par_h, par,
+                                                     (last_pos + depth)[:, None].expand(B, len(nodes)))
+            for j, node in enumerate(nodes):
+                node_logits[node], node_hidden[node] = out_logits[:, j], out_hidden[:, j]
+                expanded[node] = count + j
+            count += len(nodes)
+        return tokens, parents_of, None
+
+
+class DynamicTree:
+    """EAGLE-2: each depth expands the top_k nodes of the newest level by cumulative draft log-prob; every
+    child seen is a candidate; the best `total_tokens - 1` candidates (plus the root) form the tree."""
+
+    def __init__(self, total_tokens: int = 60, depth: int = 7, top_k: int = 10):
+        if total_tokens < 1 or depth < 1 or top_k < 1:
+            raise ValueError("dynamic tree needs total_tokens, depth and top_k >= 1")
+        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+
+    def size(self, max_depth: int | None) -> int:
+        return self.total_tokens
+
+    def build(self, proposer, root, logits, hidden, max_nodes, last_pos, sampling):
+        B, k = root.shape[0], min(self.top_k, logits.shape[-1])
+        depth_limit = min(self.depth, proposer.max_depth or self.depth)
+        top = logits.float().log_softmax(-1).topk(k, -1)
+        scores, toks = top.values.cpu(), top.indices.cpu()  # [B, k] the depth-1 level = first frontier
+        cand_tok, cand_score, cand_parent = [toks], [scores], [torch.full((B, k), -1)]
+        front_cand = torch.arange(k).expand(B, k)  # candidate index of each frontier node
+        front_parent = torch.full((B, k), -1)  # expanded index of each frontier node's parent
+        front_hidden = hidden[:, None].expand(B, k, *hidden.shape[1:])
+        num_cand = k
+        for depth in range(1, depth_limit):
+            out_logits, out_hidden = proposer.expand(depth, toks, front_hidden, front_parent,
+                                                     (last_pos + depth)[:, None].expand(B, k))
+            child = out_logits.float().log_softmax(-1).topk(k, -1)  # [B, k, k]
+            child_scores = (scores[:, :, None] + child.values.cpu()).flatten(1)  # [B, k*k]
+            child_toks = child.indices.cpu().flatten(1)
+            cand_tok.append(child_toks)
+            cand_score.append(child_scores)
+            cand_parent.append(front_cand.repeat_interleave(k, 1))
+            best = child_scores.topk(k, -1).indices  # [B, k] the next frontier, among the k*k children
+            parent_slot = best // k  # which frontier node each new frontier node hangs from
+            toks, scores = child_toks.gather(1, best), child_scores.gather(1, best)
+            front_cand = num_cand + best
+            front_parent = (depth - 1) * k + parent_slot  # expanded index: k nodes per earlier expand call
+            front_hidden = _gather_nodes(out_hidden, parent_slot.to(out_hidden.device))
+            num_cand += k * k
+        return _select(torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1), root,
+                       min(self.total_tokens, max_nodes))
+
+
+def _select(tok: Tensor, score: Tensor, parent: Tensor, root: Tensor, total: int):
+    """Keep the best total - 1 candidates per row as a tree in creation order (parents first)."""
+    B, C = tok.shape
+    keep = min(total - 1, C)
+    # stable: among equal scores the earlier-created candidate (an ancestor) ranks first
+    order = score.sort(dim=-1, descending=True, stable=True).indices[:, :keep]
+    chosen = order.sort(-1).values  # [B, keep] creation order = topological order
+    node_of = torch.zeros(B, C, dtype=torch.long)  # candidate -> node index (0: not chosen / the root)
+    node_of.scatter_(1, chosen, torch.arange(1, keep + 1).expand(B, keep))
+    par = parent.gather(1, chosen)
+    parents = torch.where(par < 0, 0, node_of.gather(1, par.clamp(min=0)))
+    tokens = torch.cat([root.cpu()[:, None], tok.gather(1, chosen)], 1)
+    return tokens, torch.cat([torch.full((B, 1), -1), parents], 1), None
+
+
+def _gather_nodes(x: Tensor, idx: Tensor) -> Tensor:  # x [B, n, ...], idx [B, m] -> [B, m, ...]
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], idx]
+
+
+# ================================================================================== the drafters
+
+class TreeDrafter(Drafter):
+    """A proposer (head or draft model) drafting chains/trees through a policy."""
+
+    def __init__(self, proposer, policy):
+        self.proposer, self.policy = proposer, policy
+        self.sampling = Sampling()
+
+    def feature_layers(self) -> list[int]:
+        return self.proposer.feature_layers()
+
+    def max_nodes(self, budget: int) -> int:
+        return max(1, min(budget, self.policy.size(self.proposer.max_depth)))
+
+    def reset(self, prompt, lengths, max_len, sampling=None):
+        self.sampling = sampling or Sampling()
+        self.proposer.reset(prompt, lengths, max_len)
+
+    def commit(self, tokens, feats, positions, num_valid):
+        self.logits, self.hidden = self.proposer.begin(tokens, feats, positions, num_valid)
+        self.last_pos = positions.gather(1, (num_valid - 1)[:, None])[:, 0]  # [B] newest feature m - 1
+
+    def propose(self, root, max_nodes):
+        if max_nodes <= 1:
+            return Draft(root.cpu()[:, None], torch.tensor([-1]))
+        tokens, parents, probs = self.policy.build(self.proposer, root, self.logits, self.hidden, max_nodes,
+                                                   self.last_pos, self.sampling)
+        self.proposer.end()
+        return Draft(tokens, parents, probs)
+
+
+class PromptLookup(Drafter):
+    """Prompt lookup decoding: find the latest earlier occurrence of the context's last n-gram (n from
+    max_ngram down to min_ngram) and propose the gamma tokens that followed it. No model; vectorised."""
+
+    def __init__(self, gamma: int = 8, max_ngram: int = 3, min_ngram: int = 1):
+        if gamma < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError("prompt lookup needs gamma >= 1 and 1 <= min_ngram <= max_ngram")
+        self.gamma, self.max_ngram, self.min_ngram = gamma, max_ngram, min_ngram
+
+    def max_nodes(self, budget):
+        return max(1, min(budget, self.gamma + 1))
+
+    def reset(self, prompt, lengths, max_len, sampling=None):
+        self.history = torch.full((prompt.shape[0], max_len + 1), -1, dtype=torch.long)
+        self.history[:, :prompt.shape[1]] = torch.where(
+            torch.arange(prompt.shape[1]) < lengths[:, None], prompt, -1)
+        self.length = lengths.clone()
+
+    def commit(self, tokens, feats, positions, num_valid):
+        valid = torch.arange(tokens.shape[1]) < num_valid[:, None]
+        cols = torch.where(valid, positions + 1, self.history.shape[1] - 1)  # token after feature position t
+        self.history.scatter_(1, cols, torch.where(valid, tokens, -1))
+        self.history[:, -1] = -1
+        self.length = positions.gather(1, (num_valid - 1)[:, None])[:, 0] + 2
+
+    def propose(self, root, max_nodes):
+        B, width = self.history.shape[0], min(self.gamma, max_nodes - 1)
+        if width < 1:
+            return Draft(root.cpu()[:, None], torch.tensor([-1]))
+        L = int(self.length.max())
+        hist = self.history[:, :L]
+        found = torch.full((B,), -1)  # start of the continuation in history
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if L <= n:
+                continue
+            tail = hist.gather(1, (self.length[:, None] - n + torch.arange(n)).clamp(min=0))  # [B, n]
+            windows = hist.unfold(1, n, 1)  # [B, L - n + 1, n]
+            starts = torch.arange(windows.shape[1])
+            hit = (windows == tail[:, None]).all(-1) & (starts + n < self.length[:, None])  # [B, W]
+            hit &= (self.length >= n)[:, None]
+            latest = torch.where(hit, starts, -1).amax(-1)  # the most recent earlier occurrence
+            found = torch.where((found < 0) & (latest >= 0), latest + n, found)
+        cols = found[:, None] + torch.arange(width)
+        ok = (found[:, None] >= 0) & (cols < self.length[:, None])
+        cont = torch.where(ok, hist.gather(1, cols.clamp(0, L - 1)), -1)  # [B, width]
+        depth = int(ok.sum(1).max())
+        tokens = torch.cat([root.cpu()[:, None], cont[:, :depth]], 1)
+        return Draft(tokens, chain_parents(depth + 1))
+
+
+# ================================================================================= construction
+
+POLICIES = {"chain": Chain, "static": StaticTree, "dynamic": DynamicTree}
+
+
+def build_drafter(kind: str, target=None, *, head: DraftHead | None = None, draft_model=None,
+                  policy: str | None = None, **options) -> Drafter:
+    """kind: "prompt_lookup" | "draft_model" | "head". Options go to the policy (chain: gamma, sample;
+    static: choices; dynamic: total_tokens, depth, top_k) or to PromptLookup (gamma, max_ngram,
+    min_ngram). A head's default policy is a dynamic tree (a chain for heads limited to few depths is
+    also fine: the depth is capped by head.max_draft_depth); a draft model's default is a chain."""
+    if kind == "prompt_lookup":
+        return PromptLookup(**options)
+    if kind == "draft_model":
+        if draft_model is None:
+            raise HeadError("drafter=draft_model needs draft_model=<a causal LM sharing the target's tokenizer>")
+        model = draft_model.model if isinstance(draft_model, Target) else draft_model
+        if target is not None and model.config.vocab_size != target.config.vocab_size:
+            raise HeadError(f"the draft model's vocab_size {model.config.vocab_size} differs from the target's "
+                            f"{target.config.vocab_size}: it must share the target's tokenizer")
+        return TreeDrafter(DraftModelProposer(model), _policy(policy or "chain", options))
+    if kind == "head":
+        if head is None:
+            raise HeadError("drafter=head needs a head (heads.base.load_head(RUN/final))")
+        return TreeDrafter(HeadProposer(head), _policy(policy or "dynamic", options))
+    raise HeadError(f"unknown drafter {kind!r}: choose prompt_lookup, draft_model or head")
+
+
+def _policy(name: str, options: dict):
+    if name not in POLICIES:
+        raise HeadError(f"unknown tree policy {name!r}: choose one of {sorted(POLICIES)}")
+    try:
+        return POLICIES[name](**options)
+    except TypeError as exc:
+        raise HeadError(f"bad options {sorted(options)} for the {name} policy: {exc}") from exc
