@@ -26,14 +26,47 @@ medusa-original (Medusa repo / TGI)
     medusa_lm_head.safetensors  {i}.{j}.linear.weight [h, h], {i}.{j}.linear.bias [h], {i}.{L}.weight [V, h]
     (nn.Sequential(ResBlock x L, Linear) per head). The original code builds `[ResBlock] * L`, one shared
     block, so for L > 1 only TGI (separate blocks) reproduces the head.
-eagle (primary for eagle; EAGLE-1/2, vLLM `EagleLlamaForCausalLM`, SGLang `LlamaForCausalLMEagle`)
-    ...
-eagle3 (primary for eagle3; official EAGLE-3 layout, vLLM and SGLang)
-    ...
-eagle3-speculators (vLLM `Eagle3Speculator`, `vllm serve DIR` with no flags)
-    ...
-mtp (DeepSeek-V3 style; vLLM `DeepSeekMTP`, SGLang NextN)
-    ...
+eagle (primary for eagle; EAGLE-1/2: vLLM `EagleLlamaForCausalLM`, SGLang `LlamaForCausalLMEagle`)
+    config.json  one-layer Llama config (hidden/intermediate size, heads, kv heads, head_dim, rms_norm_eps,
+                 rope, vocab_size V, tie_word_embeddings false), architectures
+                 [LlamaForCausalLMEagle, EagleLlamaForCausalLM]: SGLang resolves the first; vLLM prefixes
+                 "Eagle" to each name and resolves the first it knows.
+    model.safetensors  fc.weight [h, 2h] (input cat(embed(x_t+1), f_t), no bias), layers.0.self_attn.
+                 {q,k,v,o}_proj.weight, layers.0.post_attention_layernorm.weight, layers.0.mlp.{gate,up,down}
+                 _proj.weight; no input_layernorm, no final norm, no embed_tokens / lm_head (the target's are
+                 shared). f = the target's final-normed last hidden state; the draft feature is the layer's
+                 output (residual stream), read by the target's LM head.
+    SGLang builds fc *with* a bias and keeps its init when the file has none: `eagle_fc_bias=true` adds a
+    zero fc.bias (vLLM skips names it does not have).
+eagle3 (primary for eagle3; official EAGLE-3 layout, vLLM and SGLang `LlamaForCausalLMEagle3`)
+    config.json  one-layer Llama config (vocab_size = V, the target's), architectures
+                 [LlamaForCausalLMEagle3], draft_vocab_size Vd, target_hidden_size, tie_word_embeddings false,
+                 norm_before_residual false, eagle_aux_hidden_state_layer_ids (vLLM ids, top level),
+                 eagle_config {eagle_aux_hidden_state_layer_ids (SGLang ids), use_aux_hidden_state: true}
+    model.safetensors  fc.weight [h, 3h], midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}
+                 .weight [h], midlayer.self_attn.{q,k,v}_proj.weight [*, 2h], midlayer.self_attn.o_proj.weight,
+                 midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight [Vd, h], d2t int64 [Vd]
+                 (target id = draft id + d2t[draft id]), t2d bool [V]; no embed_tokens.
+    Aux-layer ids: the head fuses hidden_states[a] (input of decoder layer a). vLLM's id i captures the input
+    of layer i (id = a), SGLang's id j captures the output of layer j (id = a - 1; SpecForge's default
+    [1, N//2-1, N-4] is EAGLE-3's [2, N//2, N-3]). vLLM reads the top-level key first and SGLang only
+    eagle_config, so both keys are written, each in its engine's convention: both engines then feed fc
+    the same tensors. Exports need 3 distinct ascending aux layers in [1, N-1] (see formats/eagle3.py).
+eagle3-speculators (vLLM `Eagle3Speculator`: `vllm serve DIR` with no flags)
+    config.json  {architectures: [Eagle3Speculator], speculators_model_type: eagle3, transformer_layer_config
+                 (the one-layer Llama config), draft_vocab_size, target_hidden_size, norm_before_residual
+                 false (the speculators default is true), eagle_aux_hidden_state_layer_ids (vLLM ids),
+                 speculators_config {algorithm eagle3, proposal_methods [{proposal_type greedy,
+                 speculative_tokens K, ...}], default_proposal_method, verifier {name_or_path, architectures}}}
+    model.safetensors  as eagle3 with `midlayer.` renamed `layers.0.`.
+mtp (primary for mtp; DeepSeek-V3 MTP: vLLM `DeepSeekMTP`, SGLang `DeepseekV3ForCausalLMNextN`)
+    model-mtp.safetensors  module k as layer N+k of the target: model.layers.{N+k}.{enorm,hnorm}.weight [h],
+                 .eh_proj.weight [h, 2h] (input [enorm(embed); hnorm(h)]), .shared_head.norm.weight [h],
+                 .shared_head.head.weight [V, h] (a copy of the target's LM head, shared),
+                 .input_layernorm/.post_attention_layernorm.weight, .self_attn.*, .mlp.* (the block)
+    merge_into_config.json  {num_nextn_predict_layers: D};  merge_into_index.json  {weight_map: shard keys}
+    h^0 = the target's final-normed last hidden state (what both engines pass). The engines load MTP layers
+    only for DeepSeek-V2/V3-architecture targets (SGLang: one module).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def eval_table(results: list[dict]) -> str:
 
 # ------------------------------------------------------------------------------------------- recipe
 
-def _flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:
+def _flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:  # nested keys as "a.b.c"
     items = []
     for key, value in d.items():
         name = f"{prefix}{key}"
@@ -85,13 +85,31 @@ def _flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:
 
 
 def recipe_section(prov) -> str:
+    """The run's recipe as a short table, then everything it recorded (final/config.json "training")."""
     options = ", ".join(f"`{k}={v}`" for k, v in sorted(prov.options.items())) or "defaults"
-    lines = [f"- head options: {options}"]
-    if prov.training:
-        lines += [f"- {k}: `{json.dumps(v) if isinstance(v, (list, dict)) else v}`" for k, v in _flatten(prov.training)]
-    else:
-        lines.append("- the checkpoint records no training details")
-    return "\n".join(lines) + "\n"
+    rows = [("head options", options)]
+    t = prov.training
+    if t:
+        data, opt, val, best = (t.get(k) or {} for k in ("data", "optimizer", "validation", "best"))
+        rows += [
+            ("data", f"`{data.get('name', '?')}` (`{data.get('source', '?')}`), {data.get('hidden_states', '?')} "
+                     f"hidden states"),
+            ("steps", f"{t.get('steps', '?')} of {t.get('max_steps', '?')} (best step {best.get('step', '?')}), "
+                      f"{t.get('tokens_seen', '?')} tokens seen"),
+            ("batch", f"{t.get('batch_size', '?')} x {t.get('grad_accum', '?')} accumulation x "
+                      f"{t.get('processes', '?')} processes = {t.get('effective_batch_size', '?')} sequences of "
+                      f"<= {t.get('max_length', '?')} tokens"),
+            ("optimizer", f"AdamW lr {opt.get('lr', '?')}, betas {opt.get('betas', '?')}, {opt.get('schedule', '?')} "
+                          f"schedule, warmup {opt.get('warmup_steps') or opt.get('warmup_ratio', '?')}, grad clip "
+                          f"{opt.get('grad_clip', '?')}, weight decay {opt.get('weight_decay', '?')}"),
+            ("validation", f"loss {_fmt(val.get('loss'), 3)}, simulated tau {_fmt(val.get('sim_tau'))}, accuracy by "
+                           f"depth {', '.join(_fmt(val[k]) for k in sorted(val) if k.startswith('acc_depth_')) or '–'}"),
+        ]
+    table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+    if not t:
+        return table + "\nThe checkpoint records no training details.\n"
+    details = json.dumps(t, indent=2, default=str)
+    return table + f"\n<details><summary>Everything the run recorded</summary>\n\n```json\n{details}\n```\n</details>\n"
 
 
 def datasets_of(prov) -> list[str]:

@@ -110,6 +110,15 @@ def require_zero(state: dict[str, Tensor], keys, layout: str) -> None:
 
 # ---------------------------------------------------------------------------------- Llama configs
 
+def refuse_attention_bias(head, layout: str) -> None:
+    """vLLM's and SGLang's EAGLE layers are Llama layers built bias-free from these configs: a head with
+    attention biases (a Qwen2-style target) would be served without them."""
+    biased = sorted(k for k in head.state_dict() if ".self_attn." in k and k.endswith(".bias"))
+    if biased:
+        raise ExportError(f"format={layout} cannot carry attention biases ({biased[0]}, ...): vLLM and SGLang "
+                          f"build the draft layer without them; serve this head with headway's engine")
+
+
 def llama_layer_fields(target_config, num_layers: int = 1) -> dict:
     """Llama config fields that size one decoder layer like the target's (what engines rebuild it from)."""
     cfg = target_config

@@ -11,7 +11,7 @@ import json
 import torch
 
 from heads.formats import Layout, Serve, register_layout
-from heads.formats.common import llama_layer_fields
+from heads.formats.common import llama_layer_fields, refuse_attention_bias
 
 # SGLang resolves the first name, vLLM maps each to "Eagle" + name and resolves the first it knows:
 # "EagleLlamaForCausalLMEagle" is unknown to it, "EagleLlamaForCausalLM" is its EAGLE-1 model.
@@ -30,6 +30,7 @@ def zero_fc_bias(head, prov) -> dict:
 
 
 def config(head, prov) -> dict:
+    refuse_attention_bias(head, "eagle")
     fields = llama_layer_fields(head.target_config)
     return {"config.json": {"architectures": ARCHITECTURES, **fields}}
 

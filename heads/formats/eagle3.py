@@ -10,8 +10,8 @@ The engines count differently:
     (top-level key, read first; also the speculators key): vLLM id = a.
   * SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and captures before layer id + 1, i.e. the
     *output* of layer id (SpecForge writes [1, N//2-1, N-4] for the default [2, N//2, N-3]): SGLang id = a - 1.
-Both engines capture in ascending layer order, once per id, and neither can capture the embedding output
-(a = 0) or the final-normed state (a = N). So the export writes both keys, each in its engine's convention
+Both engines capture in ascending layer order, once per id, neither can capture the embedding output
+(a = 0) or the final-normed state (a = N), and vLLM's `fc` reads exactly 3 hidden states. So the export writes both keys, each in its engine's convention
 (vLLM's top-level key wins in vLLM, SGLang only reads eagle_config), and refuses aux layers outside
 [1, N-1], repeated or out of ascending order. `norm_before_residual: false`: the fused feature, not its norm,
 is the residual (EAGLE-3's code; the speculators default is true, so it is always written).
@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 
 from heads.formats import Layout, Serve, register_layout
-from heads.formats.common import ExportError, llama_layer_fields
+from heads.formats.common import ExportError, llama_layer_fields, refuse_attention_bias
 
 SPEC_PREFIX = "layers.0."
 
@@ -30,10 +30,10 @@ SPEC_PREFIX = "layers.0."
 def engine_aux_ids(head) -> tuple[list[int], list[int]]:
     """(vLLM ids, SGLang ids) of the head's aux layers; refuses layers no engine can capture."""
     aux, N = list(head.aux_layers), head.target_config.num_hidden_layers
-    if any(not 1 <= a <= N - 1 for a in aux) or aux != sorted(set(aux)):
+    if len(aux) != 3 or any(not 1 <= a <= N - 1 for a in aux) or aux != sorted(set(aux)):
         raise ExportError(f"eagle3 aux_layers={aux} cannot be served: vLLM and SGLang capture each decoder-layer "
-                          f"input once, in ascending order, for layers 1..{N - 1}; retrain with distinct "
-                          f"ascending aux_layers in [1, {N - 1}]")
+                          f"input once, in ascending order, for layers 1..{N - 1}, and vLLM's fc reads 3 of them; "
+                          f"retrain with 3 distinct ascending aux_layers in [1, {N - 1}]")
     return aux, [a - 1 for a in aux]
 
 
@@ -46,6 +46,7 @@ def speculators_names(head) -> dict[str, str]:
 
 
 def eagle3_fields(head) -> dict:
+    refuse_attention_bias(head, "eagle3")
     vllm_ids, _ = engine_aux_ids(head)
     return {"draft_vocab_size": head.draft_vocab_size, "target_hidden_size": head.target_config.hidden_size,
             "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": vllm_ids}

@@ -127,7 +127,7 @@ def test_layout_keys_reload_and_card(fmt, target, finals, tmp_path):
     card = ModelCard.load(out / "README.md")
     assert card.data.license == "apache-2.0" and "speculative-decoding" in card.data.tags
     assert card.data.datasets == ["org/chat-data"] and card.data.library_name
-    assert "## Serving" in card.text and "steps: `7`" in card.text
+    assert "## Serving" in card.text and "| steps | 7 of ? " in card.text and "AdamW lr 0.0001" in card.text
 
 
 def test_format_auto_picks_the_primary_layout(target, finals, tmp_path):
@@ -299,12 +299,21 @@ def test_eagle3_configs_and_engine_forward(fmt, target, finals, tmp_path):
 
 def test_eagle3_aux_layers_engines_cannot_capture_are_refused(target, tmp_path):
     torch.manual_seed(0)
-    for aux in ([2, 2, 1], [0, 2, 3], [1, 2, 4], [3, 1, 2]):
+    for aux in ([2, 2, 1], [0, 2, 3], [1, 2, 4], [3, 1, 2], [1, 3]):
         head = build_head("eagle3", target, aux_layers=aux, draft_vocab_size=VD)
         save_head(head, tmp_path / "final", extra={})
-        with pytest.raises(ExportError, match=r"cannot be served: vLLM and SGLang capture each decoder-layer input"):
+        with pytest.raises(ExportError, match=r"cannot be served: vLLM and SGLang capture each decoder-layer input once"):
             export_head(tmp_path / "final", tmp_path / "out", "eagle3", target=target)
         assert not (tmp_path / "out").exists()
+
+
+def test_attention_biases_the_engines_drop_are_refused(tmp_path):
+    biased = load_target({"path": "tiny-random", "name": "tiny-biased", "tiny": {"attention_bias": True}})
+    for kind, options in (("eagle", {}), ("eagle3", HEADS["eagle3"])):
+        save_head(build_head(kind, biased, **options), tmp_path / kind)
+        with pytest.raises(ExportError, match=f"format={kind} cannot carry attention biases"):
+            export_head(tmp_path / kind, tmp_path / f"{kind}-out", kind, target=biased)
+        assert not (tmp_path / f"{kind}-out").exists()
 
 
 def test_eagle_zero_fc_bias_for_sglang(target, finals, tmp_path):
