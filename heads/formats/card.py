@@ -8,7 +8,7 @@ from pathlib import Path
 
 from heads.formats.common import ExportError
 
-EVAL_GLOBS = ("eval*.json", "*/eval.json")
+EVAL_GLOBS = ("eval*.json", "*/eval.json", "eval/*/eval.json")  # infer.evaluate writes RUN/eval/<set>-t<T>/
 
 ARCHITECTURES = {
     "medusa": "Medusa (Cai et al. 2024): {num_heads} heads on the target's last hidden state, each "
@@ -42,8 +42,10 @@ def find_eval(final_dir: Path, eval_path=None) -> list[dict]:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ExportError(f"{path} is not valid JSON ({exc.msg}): re-run infer.evaluate") from exc
-        results += [r for r in (data if isinstance(data, list) else [data]) if isinstance(r, dict) and "tau" in r]
-    return sorted(results, key=lambda r: float(r.get("temperature", 0.0)))
+        label = path.parent.name if path.name == "eval.json" else path.stem  # e.g. mt-bench-t0
+        results += [dict(r, _set=label) for r in (data if isinstance(data, list) else [data])
+                    if isinstance(r, dict) and "tau" in r]
+    return sorted(results, key=lambda r: (float(r.get("temperature") or 0.0), r["_set"]))
 
 
 def _fmt(value, digits=2) -> str:
@@ -56,21 +58,24 @@ def eval_table(results: list[dict]) -> str:
     if not results:
         return ("No evaluation was recorded with this export. Measure it with\n"
                 "`python -m infer.evaluate checkpoint=RUN/final temperature=0` (and `temperature=1`).\n")
-    rows = ["| temperature | tau | acceptance by depth | tokens/s (spec / plain / HF generate) "
+    rows = ["| eval | temperature | tau | acceptance by depth | tokens/s (spec / plain / HF generate) "
             "| speedup vs plain | speedup vs HF generate | prompts | hardware |",
-            "|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         tps = r.get("tokens_per_second") or {}
         acc = ", ".join(_fmt(a) for a in r.get("acceptance_by_depth") or [])
-        rows.append(f"| {_fmt(r.get('temperature'), 1)} | {_fmt(r.get('tau'))} | {acc or '–'} "
+        rows.append(f"| {r['_set']} | {_fmt(r.get('temperature'), 1)} | {_fmt(r.get('tau'))} | {acc or '–'} "
                     f"| {_fmt(tps.get('speculative'), 1)} / {_fmt(tps.get('vanilla'), 1)} / "
                     f"{_fmt(tps.get('hf_generate'), 1)} | {_fmt(r.get('speedup_vs_vanilla'))}x "
                     f"| {_fmt(r.get('speedup_vs_hf_generate'))}x | {r.get('num_prompts', '–')} "
                     f"| {r.get('hardware') or r.get('device') or '–'} |")
-    by_cat = [(r.get("temperature"), c, v) for r in results for c, v in (r.get("by_category") or {}).items()]
+    by_cat = [(r, c, v) for r in results for c, v in (r.get("by_category") or {}).items()]
     if by_cat:
-        rows += ["", "| temperature | category | tau | prompts |", "|---|---|---|---|"]
-        rows += [f"| {_fmt(t, 1)} | {c} | {_fmt(v.get('tau'))} | {v.get('num_prompts', '–')} |" for t, c, v in by_cat]
+        rows += ["", "| eval | temperature | category | tau | prompts |", "|---|---|---|---|---|"]
+        rows += [f"| {r['_set']} | {_fmt(r.get('temperature'), 1)} | {c} | {_fmt(v.get('tau'))} "
+                 f"| {v.get('num_prompts', '–')} |" for r, c, v in by_cat]
+    rows += ["", "tau = tokens emitted per target forward (the bonus token included); acceptance by depth is "
+                 "conditional on the previous depth being accepted; speedups are measured in the same run."]
     return "\n".join(rows) + "\n"
 
 
@@ -168,9 +173,6 @@ the target alone, only faster.
 ## Measured speed and acceptance
 
 {eval_table(evaluation)}
-tau = tokens emitted per target forward (the bonus token included); acceptance by depth is conditional on the
-previous depth being accepted.
-
 ## Serving
 
 {layout.usage}{serve}

@@ -61,7 +61,7 @@ def official_config(head, prov) -> dict:
 
 def speculators_config(head, prov) -> dict:
     layer = {"architectures": ["LlamaForCausalLM"], **llama_layer_fields(head.target_config)}
-    target_arch = list(getattr(head.target_config, "architectures", None) or [])
+    target_arch = list(getattr(head.target_config, "architectures", None) or [causal_lm_class(head.target_config)])
     return {"config.json": {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
         "transformer_layer_config": layer, **eagle3_fields(head), "tie_word_embeddings": False,
@@ -71,6 +71,13 @@ def speculators_config(head, prov) -> dict:
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": prov.num_speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "verifier": {"name_or_path": prov.target_name, "architectures": target_arch}}}}
+
+
+def causal_lm_class(config) -> str:
+    """The target's transformers class name, for configs (e.g. from a GGUF) that do not record it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
 
 
 def official_serve(where: str, prov) -> list[Serve]:

@@ -69,6 +69,7 @@ else:  # a single-file checkpoint: index it first
 index["weight_map"].update(json.loads((export / "merge_into_index.json").read_text())["weight_map"])
 index_path.write_text(json.dumps(index, indent=2))
 ```
+
 """
 
 

@@ -284,7 +284,7 @@ def test_eagle3_configs_and_engine_forward(fmt, target, finals, tmp_path):
     else:
         assert cfg["architectures"] == ["Eagle3Speculator"] and cfg["speculators_model_type"] == "eagle3"
         spec = cfg["speculators_config"]
-        assert spec["verifier"]["name_or_path"] == "org/target"
+        assert spec["verifier"] == {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}
         assert spec["proposal_methods"][0]["speculative_tokens"] == 3
         assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
         prefix = "layers.0."
@@ -342,8 +342,8 @@ def test_card_carries_the_measured_table(target, finals, tmp_path):
                       where="org/head")
     card = ModelCard.load(out / "README.md")
     assert card.data.base_model == "org/target"
-    assert "| 0.0 | 2.41 | 0.61, 0.44 |" in card.text and "| 1.0 | 1.87 |" in card.text
-    assert "2-core CPU" in card.text and "| code |" in card.text
+    assert "| eval_t0.0 | 0.0 | 2.41 | 0.61, 0.44 |" in card.text and "| eval_t1.0 | 1.0 | 1.87 |" in card.text
+    assert "2-core CPU" in card.text and "| code | 2.51 | 6 |" in card.text
     assert '"model": "org/head"' in card.text and "vllm serve org/target" in card.text
     assert "--speculative-draft-model-path org/head" in card.text
 
@@ -353,9 +353,12 @@ def test_eval_json_next_to_the_checkpoint_is_found(target, finals, tmp_path):
 
     final = tmp_path / "run" / "final"
     shutil.copytree(finals["medusa"][0], final)
-    (final.parent / "eval.json").write_text(json.dumps({"temperature": 0.0, "tau": 3.25}))
+    for name, temp, tau in (("mt-bench-t0", 0.0, 3.25), ("mt-bench-t1", 1.0, 2.5)):  # infer.evaluate's default
+        (final.parent / "eval" / name).mkdir(parents=True)
+        (final.parent / "eval" / name / "eval.json").write_text(json.dumps({"temperature": temp, "tau": tau}))
     out = export_head(final, tmp_path / "m", "medusa", target=target)
-    assert "| 0.0 | 3.25 |" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "| mt-bench-t0 | 0.0 | 3.25 |" in card and "| mt-bench-t1 | 1.0 | 2.50 |" in card
 
 
 # -------------------------------------------------------------------------------------- bad input

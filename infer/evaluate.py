@@ -1,0 +1,375 @@
+"""Evaluate a draft head (or a training-free drafter) on held-out prompts.
+
+    python -m infer.evaluate checkpoint=RUN/final prompts=mt-bench temperature=0 max_new_tokens=128
+    python -m infer.evaluate checkpoint=none drafter=prompt_lookup prompts=humaneval
+
+For each prompt (batch 1, rendered with the target's chat template) it runs, interleaved so machine noise
+hits all alike: speculative decoding with the drafter, the engine's plain decoding, and HF `generate()`.
+It prints a table and writes OUTPUT/eval.json:
+
+    {"target", "head", "temperature", "num_prompts",
+     "tau",                          emitted tokens per target verification forward, bonus included
+     "acceptance_by_depth",          P(depth d accepted | depth d-1 accepted)
+     "by_category": {cat: {"tau", "num_prompts"}},
+     "tokens_per_second": {"speculative", "vanilla", "hf_generate"},
+     "speedup_vs_vanilla", "speedup_vs_hf_generate",
+     "greedy_match"}                 temperature 0: fraction of prompts identical to plain decoding
+                                     (null at temperature > 0, where outputs differ by design)
+
+and OUTPUT/eval.png (acceptance by depth, tau by category). A baseline left out of `baselines` gets null.
+Bad input (a checkpoint for another target, a corrupted or missing safetensors file, an empty or
+malformed prompt file, temperature < 0, top_p outside (0, 1], a prompt longer than the cache) ends with
+one `error:` line and exit status 2, before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from heads.base import HeadError, load_head, read_head_config
+from heads.target import TargetError, TargetSpec, load_target
+from infer.engine import CacheFullError, EngineError, SpeculativeEngine, encode_prompts
+from infer.hf_generate import generation_config, hf_generate
+
+DEFAULT_TARGET = {"name": "smollm2-135m", "path": "embedded:smollm2"}
+DRAFTERS = ("head", "prompt_lookup", "draft_model")
+BASELINES = ("vanilla", "hf_generate")
+
+
+class EvalError(ValueError):
+    """Bad evaluation input; the message says what to do."""
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: Optional[str] = None
+    drafter: str = "head"
+    draft_model: Optional[str] = None
+    draft: Dict[str, Any] = field(default_factory=dict)
+    target: Optional[TargetSpec] = None
+    prompts: str = "mt-bench"
+    max_prompts: Optional[int] = None
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    max_new_tokens: int = 128
+    baselines: List[str] = field(default_factory=lambda: list(BASELINES))
+    seed: int = 0
+    device: str = "auto"
+    output: Optional[str] = None
+    plot: bool = True
+
+
+ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+def check_config(cfg) -> None:
+    """Reject values that compose but cannot work, before anything is loaded."""
+    if cfg.temperature < 0:
+        raise EvalError(f"temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
+    if cfg.top_p is not None and not 0 < cfg.top_p <= 1:
+        raise EvalError(f"top_p must be in (0, 1], got {cfg.top_p}")
+    if cfg.top_k is not None and cfg.top_k < 1:
+        raise EvalError(f"top_k must be >= 1 (or null for no top-k), got {cfg.top_k}")
+    if cfg.max_new_tokens < 1:
+        raise EvalError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.max_prompts is not None and cfg.max_prompts < 1:
+        raise EvalError(f"max_prompts must be >= 1 or null, got {cfg.max_prompts}")
+    if cfg.drafter not in DRAFTERS:
+        raise EvalError(f"unknown drafter {cfg.drafter!r}: use one of {', '.join(DRAFTERS)}")
+    unknown = sorted(set(cfg.baselines) - set(BASELINES))
+    if unknown:
+        raise EvalError(f"unknown baselines {unknown}: use a subset of {list(BASELINES)}")
+    no_head = cfg.checkpoint is None or str(cfg.checkpoint).lower() == "none"
+    if cfg.drafter == "head" and no_head:
+        raise EvalError("pass checkpoint=RUN/final (a head folder), or checkpoint=none with "
+                        "drafter=prompt_lookup or drafter=draft_model")
+    if cfg.drafter != "head" and not no_head:
+        raise EvalError(f"drafter={cfg.drafter} evaluates a training-free baseline: pass checkpoint=none")
+    if cfg.drafter == "draft_model" and not cfg.draft_model:
+        raise EvalError("drafter=draft_model needs draft_model=<HF model dir or hub name sharing the tokenizer>")
+
+
+def load_prompts(name_or_path: str, limit: int | None) -> list[dict]:
+    """[{"prompt", "category"}] from a built-in set (train.data.prompt_sets) or a JSONL file whose lines
+    hold a "prompt" and optionally a "category" (default "general")."""
+    path = Path(name_or_path).expanduser()
+    rows = read_prompt_file(path) if path.is_file() else builtin_prompts(name_or_path)
+    rows = rows[:limit]
+    if not rows:
+        raise EvalError(f"prompt set {name_or_path!r} holds no prompts: give at least one line with a \"prompt\"")
+    return rows
+
+
+def builtin_prompts(name: str) -> list[dict]:
+    from train.data import DataError
+    from train.data.prompt_sets import load_prompt_set, prompt_set_names
+
+    try:
+        return [{"prompt": r["prompt"], "category": r["category"]} for r in load_prompt_set(name)]
+    except DataError:
+        raise EvalError(f"prompts={name!r} is neither a built-in set ({', '.join(prompt_set_names())}) nor an "
+                        f"existing JSONL file with a \"prompt\" (and optional \"category\") per line") from None
+
+
+def read_prompt_file(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EvalError(f"{path}:{n} is not valid JSON ({exc.msg}): write one object per line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise EvalError(f"{path}:{n} has no \"prompt\" string: each line needs one (\"category\" is optional)")
+        rows.append({"prompt": row["prompt"], "category": str(row.get("category") or "general")})
+    return rows
+
+
+def check_lengths(prompt_ids: list[list[int]], max_new_tokens: int, target) -> None:
+    """Fail before any generation if a prompt cannot fit the cache with its new tokens."""
+    limit = getattr(target.config, "max_position_embeddings", None)
+    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    need = len(prompt_ids[longest]) + max_new_tokens
+    if limit and need > limit:
+        raise EvalError(f"prompt {longest} has {len(prompt_ids[longest])} tokens: with max_new_tokens="
+                        f"{max_new_tokens} it needs {need} cache positions but the target holds {limit}: "
+                        f"shorten the prompt or lower max_new_tokens")
+
+
+# ------------------------------------------------------------------------------------- building
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build(cfg, device):
+    """-> (target, drafter, head name). The target is the one the checkpoint records unless cfg.target."""
+    from infer.drafters import build_drafter
+
+    override = OmegaConf.to_container(cfg.target) if cfg.target is not None else None
+    if cfg.drafter == "head":
+        recorded = read_head_config(cfg.checkpoint)
+        target = load_target(override or recorded.get("target") or DEFAULT_TARGET, device=device)
+        head = load_head(cfg.checkpoint, target, device=device)
+        return target, build_drafter("head", target, head=head, **cfg.draft), recorded["head_kind"]
+    target = load_target(override or DEFAULT_TARGET, device=device)
+    if cfg.drafter == "draft_model":
+        draft = load_target({"path": cfg.draft_model, "name": Path(cfg.draft_model).name, "dtype": "auto"},
+                            device=device)
+        return target, build_drafter("draft_model", target, draft_model=draft, **cfg.draft), "draft_model"
+    return target, build_drafter("prompt_lookup", target, **cfg.draft), "prompt_lookup"
+
+
+# ------------------------------------------------------------------------------------- measuring
+
+@dataclass
+class Tally:
+    """Sums over prompts, so every rate is a micro-average over all steps of all prompts."""
+
+    emitted: int = 0
+    row_steps: int = 0
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    tokens: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    prompts: int = 0
+
+    def add_steps(self, stats) -> None:
+        self.emitted += stats.emitted
+        self.row_steps += stats.row_steps
+        self.prompts += 1
+        for mine, theirs in ((self.accepted, stats.accepted_at_depth), (self.drafted, stats.drafted_at_depth)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for d, n in enumerate(theirs):
+                mine[d] += n
+
+    def add_time(self, method: str, tokens: int, seconds: float) -> None:
+        self.tokens[method] = self.tokens.get(method, 0) + tokens
+        self.seconds[method] = self.seconds.get(method, 0.0) + seconds
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / max(self.row_steps, 1)
+
+    def tokens_per_second(self, method: str) -> float | None:
+        return self.tokens[method] / max(self.seconds[method], 1e-9) if method in self.tokens else None
+
+
+def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]], out=print):
+    """Run every method on every prompt; -> (overall Tally, {category: Tally}, greedy matches)."""
+    spec = SpeculativeEngine(target, drafter)
+    plain = SpeculativeEngine(target)
+    sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                    top_p=cfg.top_p)
+    hf_cfg = generation_config(spec.eos.tolist(), target.tokenizer.pad_token_id, cfg.max_new_tokens,
+                               cfg.temperature, cfg.top_k, cfg.top_p)
+    warm = dict(sampling, max_new_tokens=min(8, cfg.max_new_tokens))
+    spec.generate(prompt_ids[:1], **warm, seed=cfg.seed)  # first calls pay one-off setup: keep it out
+    plain.generate(prompt_ids[:1], **warm, seed=cfg.seed)
+
+    total, by_cat, matches = Tally(), {}, 0
+    for i, (row, ids) in enumerate(zip(rows, prompt_ids)):
+        s = spec.generate([ids], **sampling, seed=cfg.seed + i)
+        cat = by_cat.setdefault(row["category"], Tally())
+        for tally in (total, cat):
+            tally.add_steps(s.stats)
+            tally.add_time("speculative", s.stats.new_tokens, s.stats.prefill_s + s.stats.decode_s)
+        if "vanilla" in cfg.baselines or cfg.temperature == 0:
+            p = plain.generate([ids], **sampling, seed=cfg.seed + i)
+            matches += int(p.tokens[0] == s.tokens[0])
+            total.add_time("vanilla", p.stats.new_tokens, p.stats.prefill_s + p.stats.decode_s)
+        if "hf_generate" in cfg.baselines:
+            h = hf_generate(target.model, [ids], hf_cfg, seed=cfg.seed + i)
+            total.add_time("hf_generate", h.new_tokens, h.seconds)
+        out(f"  [{i + 1}/{len(rows)}] {row['category']}: {len(s.tokens[0])} tokens, "
+            f"tau {s.stats.tau:.2f}, {s.stats.tokens_per_second:.1f} tok/s")
+    return total, by_cat, matches
+
+
+def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: int) -> dict:
+    """The eval.json dict (schema in the module docstring)."""
+    tps = {m: total.tokens_per_second(m) for m in ("speculative", *BASELINES)}
+    if "vanilla" not in cfg.baselines:
+        tps["vanilla"] = None  # measured only for greedy_match
+    ratio = lambda m: tps["speculative"] / tps[m] if tps[m] else None  # noqa: E731
+    return {
+        "target": target.spec.name,
+        "head": head_name,
+        "temperature": float(cfg.temperature),
+        "num_prompts": total.prompts,
+        "tau": total.tau,
+        "acceptance_by_depth": [a / d if d else 0.0 for a, d in zip(total.accepted, total.drafted)],
+        "by_category": {c: {"tau": t.tau, "num_prompts": t.prompts} for c, t in sorted(by_cat.items())},
+        "tokens_per_second": tps,
+        "speedup_vs_vanilla": ratio("vanilla"),
+        "speedup_vs_hf_generate": ratio("hf_generate"),
+        "greedy_match": matches / total.prompts if cfg.temperature == 0 else None,
+    }
+
+
+# --------------------------------------------------------------------------------------- output
+
+def print_report(res: dict, out=print) -> None:
+    out(f"\ntarget {res['target']}, drafter {res['head']}, temperature {res['temperature']}, "
+        f"{res['num_prompts']} prompts")
+    out(f"{'category':<16} {'prompts':>7} {'tau':>6}")
+    for cat, r in res["by_category"].items():
+        out(f"{cat:<16} {r['num_prompts']:>7} {r['tau']:>6.2f}")
+    out(f"{'all':<16} {res['num_prompts']:>7} {res['tau']:>6.2f}")
+    out("acceptance by depth: " + "  ".join(f"d{d + 1} {a:.3f}" for d, a in enumerate(res["acceptance_by_depth"])))
+    out(f"{'method':<16} {'tokens/s':>9} {'speculative is':>15}")
+    for method, tps in res["tokens_per_second"].items():
+        speedup = {"speculative": 1.0, "vanilla": res["speedup_vs_vanilla"],
+                   "hf_generate": res["speedup_vs_hf_generate"]}[method]
+        out(f"{method:<16} {_num(tps, '9.1f')} {_num(speedup, '14.2f')}x")
+    if res["greedy_match"] is not None:
+        out(f"greedy match with plain decoding: {res['greedy_match']:.3f}")
+
+
+def _num(v, spec: str) -> str:
+    return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
+
+
+def default_output(cfg) -> Path:
+    prompts = Path(cfg.prompts).stem
+    name = f"{prompts}-t{cfg.temperature:g}"
+    if cfg.drafter == "head":
+        return Path(cfg.checkpoint).resolve().parent / "eval" / name
+    return Path("outputs") / "eval" / f"{cfg.drafter}-{name}"
+
+
+def write_results(res: dict, directory: Path, plot: bool) -> list[Path]:
+    """eval.json (and eval.png) written to temp files, then renamed: never half-written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = [_atomic(directory / "eval.json", lambda f: f.write((json.dumps(res, indent=2) + "\n").encode()))]
+    if plot:
+        written.append(_atomic(directory / "eval.png", lambda f: plot_results(res, f)))
+    return written
+
+
+def _atomic(path: Path, write) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def plot_results(res: dict, file) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    acc = res["acceptance_by_depth"]
+    left.bar(range(1, len(acc) + 1), acc, color="tab:blue")
+    left.set_xticks(range(1, len(acc) + 1))
+    left.set(xlabel="draft depth", ylabel="P(accepted | parent accepted)", ylim=(0, 1),
+             title=f"acceptance by depth (tau {res['tau']:.2f})")
+    cats = list(res["by_category"])
+    right.bar(cats, [res["by_category"][c]["tau"] for c in cats], color="tab:orange")
+    right.axhline(1.0, color="gray", lw=0.8)
+    right.set(ylabel="tau (tokens per target forward)", title="tau by category")
+    right.tick_params(axis="x", rotation=45)
+    fig.suptitle(f"{res['head']} on {res['target']}, temperature {res['temperature']:g}")
+    fig.tight_layout()
+    fig.savefig(file, format="png", dpi=100)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+def evaluate(cfg, out=print) -> dict:
+    """Validate, load, measure, write. Raises the errors listed in ERRORS on bad input."""
+    check_config(cfg)
+    rows = load_prompts(cfg.prompts, cfg.max_prompts)
+    device = resolve_device(cfg.device)
+    target, drafter, head_name = build(cfg, device)
+    prompt_ids = encode_prompts(target.tokenizer, [r["prompt"] for r in rows])
+    check_lengths(prompt_ids, cfg.max_new_tokens, target)
+    out(f"evaluating {head_name} on {target.spec.name}: {len(rows)} prompts from {cfg.prompts}, "
+        f"temperature {cfg.temperature}, max_new_tokens {cfg.max_new_tokens}, {device}")
+    total, by_cat, matches = measure(cfg, target, drafter, rows, prompt_ids, out)
+    res = results(cfg, target, head_name, total, by_cat, matches)
+    print_report(res, out)
+    written = write_results(res, Path(cfg.output) if cfg.output else default_output(cfg), cfg.plot)
+    out("wrote " + ", ".join(str(p) for p in written))
+    return res
+
+
+ERRORS = (EvalError, HeadError, TargetError, EngineError, CacheFullError)
+
+
+@hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        evaluate(cfg)
+    except ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""End-to-end generation on the default target, batch 1: what a user would otherwise run vs headway.
+
+Methods, interleaved prompt by prompt so machine noise hits all alike (each warmed up once first):
+  hf_generate             transformers generate()
+  hf_prompt_lookup        transformers generate(prompt_lookup_num_tokens=...)
+  headway_plain           the engine's plain decoding
+  headway_prompt_lookup   the engine with the n-gram drafter
+  headway_<kind>          the engine with each trained head given (paths that do not exist are skipped)
+at temperature 0 and 1, reporting tokens/s, tau, the ratio to HF generate() and, at temperature 0,
+whether every output equals the engine's plain decoding.
+
+    python scripts/bench_decode.py --heads runs/eagle/final runs/medusa/final runs/eagle3/final runs/mtp/final
+    python scripts/bench_decode.py --all-prompts            # every held-out prompt (slow on a CPU)
+    python scripts/bench_decode.py --device cuda --dtype bf16
+    python scripts/bench_decode.py --quick                  # tiny random target (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import bench_common as bc
+import torch
+
+from infer.engine import SpeculativeEngine
+from infer.hf_generate import generation_config, hf_generate
+
+
+FIXED = ("hf_generate", "hf_prompt_lookup", "headway_plain", "headway_prompt_lookup")  # not trained heads
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--heads", nargs="*", default=[], help="head folders (a run's final/); missing ones are skipped")
+    p.add_argument("--prompt-sets", nargs="+", default=["mt-bench", "humaneval"])
+    p.add_argument("--per-set", type=int, default=4, help="prompts per set (default: a subset, for time)")
+    p.add_argument("--all-prompts", action="store_true", help="every prompt of every set")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", help="auto = fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny random target, 2 prompts, 8 tokens (smoke test)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.target, args.per_set, args.max_new_tokens = "tiny-random", 1, 8
+    if args.all_prompts:
+        args.per_set = None
+    return args
+
+
+def build_methods(args, target) -> dict:
+    """name -> callable(ids, temperature, seed) -> (tokens, seconds, stats or None)."""
+    from heads.base import HeadError, load_head
+    from heads.target import TargetError
+    from infer.drafters import build_drafter
+
+    eos = SpeculativeEngine(target).eos.tolist()
+    pad = target.tokenizer.pad_token_id
+
+    def hf(lookup):
+        def run(ids, temperature, seed):
+            cfg = generation_config(eos, pad, args.max_new_tokens, temperature, prompt_lookup_num_tokens=lookup)
+            res = hf_generate(target.model, [ids], cfg, seed=seed)
+            return res.tokens[0], res.seconds, None
+        return run
+
+    def engine(drafter):
+        eng = SpeculativeEngine(target, drafter)
+
+        def run(ids, temperature, seed):
+            out = eng.generate([ids], max_new_tokens=args.max_new_tokens, temperature=temperature, seed=seed)
+            return out.tokens[0], out.stats.prefill_s + out.stats.decode_s, out.stats
+        return run
+
+    methods = {"hf_generate": hf(None), "hf_prompt_lookup": hf(args.prompt_lookup_tokens),
+               "headway_plain": engine(None),
+               "headway_prompt_lookup": engine(build_drafter("prompt_lookup", target))}
+    for path in args.heads:
+        if not Path(path, "config.json").is_file():
+            print(f"skipping head {path}: no such head folder")
+            continue
+        try:
+            head = load_head(path, target, device=args.device)
+        except (HeadError, TargetError) as exc:
+            print(f"skipping head {path}: {exc}")
+            continue
+        name = f"headway_{head.kind}"
+        name = name if name not in methods else f"{name}({Path(path).parent.name})"
+        methods[name] = engine(build_drafter("head", target, head=head))
+    return methods
+
+
+def measure(args, methods, prompts, temperature) -> list[dict]:
+    ids0 = prompts[0][1]
+    for run in methods.values():  # warm-up: one-off setup stays out of the timings
+        run(ids0, temperature, args.seed)
+    tokens = {m: 0 for m in methods}
+    seconds = {m: 0.0 for m in methods}
+    emitted, steps = {m: 0 for m in methods}, {m: 0 for m in methods}
+    same = {m: 0 for m in methods}
+    for i, (_, ids) in enumerate(prompts):
+        outs = {}
+        for name, run in methods.items():
+            outs[name], sec, stats = run(ids, temperature, args.seed + i)
+            tokens[name] += len(outs[name])
+            seconds[name] += sec
+            if stats is not None:
+                emitted[name] += stats.emitted
+                steps[name] += stats.row_steps
+        for name, out in outs.items():
+            same[name] += int(out == outs["headway_plain"])
+    hf_tps = tokens["hf_generate"] / seconds["hf_generate"]
+    rows = []
+    for name in methods:
+        tps = tokens[name] / seconds[name]
+        rows.append({"temperature": temperature, "method": name, "tokens": tokens[name], "tokens/s": tps,
+                     "tau": emitted[name] / steps[name] if steps[name] else None,
+                     "vs hf_generate": tps / hf_tps,
+                     "same as plain": f"{same[name]}/{len(prompts)}" if temperature == 0 else None})
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    target = bc.load_bench_target(args.target, args.device, args.dtype)
+    prompts = bc.bench_prompts(target.tokenizer, args.prompt_sets, args.per_set)
+    methods = build_methods(args, target)
+    dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
+    print(f"machine: {bc.machine()}; target {target.spec.name} {dtype} on {args.device}, batch 1, "
+          f"{len(prompts)} prompts ({', '.join(args.prompt_sets)}), {args.max_new_tokens} new tokens")
+    rows = []
+    for temperature in args.temperatures:
+        rows += measure(args, methods, prompts, temperature)
+    bc.print_table(rows, "\n(tau: tokens per target forward; same as plain: greedy outputs equal to the "
+                         "engine's plain decoding)")
+    for temperature in args.temperatures:
+        at = {r["method"]: r["vs hf_generate"] for r in rows if r["temperature"] == temperature}
+        heads = {m: v for m, v in at.items() if m not in FIXED}
+        print(f"temperature {temperature:g}: headway plain {at['headway_plain']:.2f}x HF generate(); "
+              + (f"best head ({max(heads, key=heads.get)}) {max(heads.values()):.2f}x" if heads else "no trained heads"))
+    first = args.temperatures[0]
+    at = {r["method"]: r["vs hf_generate"] for r in rows if r["temperature"] == first}
+    heads = {m: v for m, v in at.items() if m not in FIXED} or \
+        {m: v for m, v in at.items() if m.startswith("headway")}
+    best = max(heads, key=heads.get)
+    bc.headline(heads[best], f"best headway method ({best}) vs HF generate() at temperature {first:g}")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""`python -m infer.evaluate` on the tiny target: eval.json schema, lossless greedy output, the training-free
+baseline, and one clear error (exit 2, nothing written) for every kind of bad input."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from heads.base import build_head, save_head
+from heads.target import TargetSpec, load_target
+from infer import evaluate as ev
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = {"path": "tiny-random", "name": "tiny-random"}
+SCHEMA = {"target", "head", "temperature", "num_prompts", "tau", "acceptance_by_depth", "by_category",
+          "tokens_per_second", "speedup_vs_vanilla", "speedup_vs_hf_generate", "greedy_match"}
+PROMPTS = [{"prompt": "Name three colours.", "category": "writing"},
+           {"prompt": "abc abc abc abc abc", "category": "coding"},
+           {"prompt": "What is 2 + 2?"}]  # no category: counted as "general"
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    """An untrained head for the tiny target, saved like a run's final/."""
+    target = load_target(TINY)
+    head = build_head("medusa", target, num_heads=3)
+    return save_head(head, tmp_path_factory.mktemp("run") / "final")
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return path
+
+
+def make_cfg(*overrides):
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return compose("eval", overrides=["max_new_tokens=12", *overrides])
+
+
+def quiet(*_):
+    pass
+
+
+def test_eval_json_schema_and_greedy_output_equals_plain(head_dir, prompts_file, tmp_path):
+    out = tmp_path / "out"
+    res = ev.evaluate(make_cfg(f"checkpoint={head_dir}", f"prompts={prompts_file}", "temperature=0",
+                               f"output={out}"), out=quiet)
+    written = json.loads((out / "eval.json").read_text())
+    assert written == res and set(written) == SCHEMA
+    assert written["target"] == "tiny-random" and written["head"] == "medusa"
+    assert written["num_prompts"] == 3 and written["temperature"] == 0.0
+    assert written["greedy_match"] == 1.0  # lossless: greedy speculative output == plain decoding
+    assert written["tau"] >= 1.0
+    assert all(0.0 <= a <= 1.0 for a in written["acceptance_by_depth"])
+    assert written["by_category"] == {c: {"tau": pytest.approx(written["by_category"][c]["tau"]), "num_prompts": 1}
+                                      for c in ("coding", "general", "writing")}
+    assert set(written["tokens_per_second"]) == {"speculative", "vanilla", "hf_generate"}
+    assert all(v > 0 for v in written["tokens_per_second"].values())
+    tps = written["tokens_per_second"]
+    assert written["speedup_vs_hf_generate"] == pytest.approx(tps["speculative"] / tps["hf_generate"])
+    assert (out / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "eval.png"]  # no temp files left
+
+
+def test_prompt_lookup_baseline_without_checkpoint(prompts_file, tmp_path):
+    out = tmp_path / "pl"
+    res = ev.evaluate(make_cfg("checkpoint=none", "drafter=prompt_lookup", "target=tiny-random",
+                               f"prompts={prompts_file}", "baselines=[vanilla]", "plot=false",
+                               f"output={out}"), out=quiet)
+    assert res["head"] == "prompt_lookup" and res["greedy_match"] == 1.0
+    assert res["tokens_per_second"]["hf_generate"] is None and res["speedup_vs_hf_generate"] is None
+    assert sorted(p.name for p in out.iterdir()) == ["eval.json"]
+
+
+def test_sampling_reports_no_greedy_match(head_dir, prompts_file, tmp_path):
+    res = ev.evaluate(make_cfg(f"checkpoint={head_dir}", f"prompts={prompts_file}", "temperature=1",
+                               "top_p=0.9", "baselines=[]", "plot=false", f"output={tmp_path / 'o'}"), out=quiet)
+    assert res["greedy_match"] is None and res["tau"] >= 1.0
+
+
+# ----------------------------------------------------------------------------------------- bad input
+
+def corrupt(head_dir, tmp_path, how):
+    bad = tmp_path / "bad"
+    shutil.copytree(head_dir, bad)
+    if how == "garbage":
+        (bad / "model.safetensors").write_bytes(b"\x00\x01 not a safetensors file")
+    elif how == "missing":
+        (bad / "model.safetensors").unlink()
+    return bad
+
+
+@pytest.mark.parametrize("case", ["other_target", "garbage_weights", "missing_weights", "empty_prompts",
+                                  "malformed_prompts", "no_prompt_field", "negative_temperature", "top_p_zero",
+                                  "top_p_above_one", "prompt_too_long", "no_checkpoint"])
+def test_bad_input_raises_one_clear_error_and_writes_nothing(case, head_dir, prompts_file, tmp_path):
+    ckpt, prompts, extra = head_dir, prompts_file, []
+    if case == "garbage_weights":
+        ckpt = corrupt(head_dir, tmp_path, "garbage")
+    elif case == "missing_weights":
+        ckpt = corrupt(head_dir, tmp_path, "missing")
+    elif case == "empty_prompts":
+        prompts.write_text("")
+    elif case == "malformed_prompts":
+        prompts.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    elif case == "no_prompt_field":
+        prompts.write_text('{"text": "hello"}\n')
+    elif case == "prompt_too_long":
+        prompts.write_text(json.dumps({"prompt": "x" * 2100}) + "\n")  # byte-level: > 2048 positions
+    extra = {"negative_temperature": ["temperature=-0.5"], "top_p_zero": ["top_p=0"],
+             "top_p_above_one": ["top_p=1.5"], "no_checkpoint": ["checkpoint=none"]}.get(case, [])
+    out = tmp_path / "out"
+    cfg = make_cfg(f"checkpoint={ckpt}", f"prompts={prompts}", f"output={out}", *extra)
+    if case == "other_target":  # the head was trained on hidden 64; this target has hidden 32
+        cfg.target = TargetSpec(**TINY, tiny={"hidden_size": 32, "intermediate_size": 64})
+    with pytest.raises(ev.ERRORS) as info:
+        ev.evaluate(cfg, out=quiet)
+    message = str(info.value)
+    assert message and "\n" not in message
+    assert not out.exists()
+
+
+def test_cli_bad_input_exits_2_with_one_line(head_dir, prompts_file, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "infer.evaluate", f"checkpoint={head_dir}",
+                           f"prompts={prompts_file}", "temperature=-1", f"output={tmp_path / 'o'}"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "temperature" in lines[0]
+    assert not (tmp_path / "o").exists()

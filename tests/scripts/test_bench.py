@@ -1,0 +1,57 @@
+"""Smoke tests: every benchmark script runs at tiny sizes (`--quick`), prints its table and ends with the
+headline ratio `<number>x`. Times are never asserted."""
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+HEADLINE = re.compile(r": \d+(\.\d+)?x$")
+
+
+@pytest.fixture
+def script(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))  # calibration curves land in tmp
+
+    def load(name):
+        sys.modules.pop(name, None)
+        return importlib.import_module(name)
+
+    return load
+
+
+def run(module, argv, capsys) -> list[str]:
+    module.main(argv)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert HEADLINE.search(lines[-1]), lines[-1]
+    return lines
+
+
+def test_bench_kv_cache(script, capsys):
+    lines = run(script("bench_kv_cache"), ["--quick"], capsys)
+    assert any("PagedKVCache" in line for line in lines) and any("preallocate" in line for line in lines)
+
+
+def test_bench_decode(script, capsys, tmp_path):
+    lines = run(script("bench_decode"), ["--quick", "--heads", str(tmp_path / "missing")], capsys)
+    out = "\n".join(lines)
+    assert "skipping head" in out
+    for method in ("hf_generate", "hf_prompt_lookup", "headway_plain", "headway_prompt_lookup"):
+        assert method in out
+    # greedy outputs of the engine's speculative paths equal its plain decoding
+    greedy = [line for line in lines if line.strip().startswith("0 ") and "headway" in line]
+    assert greedy and all(line.split()[-1] == "2/2" for line in greedy)
+
+
+def test_bench_batch(script, capsys):
+    lines = run(script("bench_batch"), ["--quick"], capsys)
+    assert any(line.split()[:1] == ["4"] for line in lines)  # a row for batch 4
+
+
+def test_bench_train(script, capsys):
+    lines = run(script("bench_train"), ["--quick", "--heads", "medusa", "eagle"], capsys)
+    assert any("no worse than linear" in line or "WORSE" in line for line in lines)
