@@ -13,15 +13,16 @@ import math
 import os
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from accelerate.logging import get_logger
 from accelerate.utils import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin,
-                              InitProcessGroupKwargs,
-                              broadcast_object_list, set_seed)
+                              InitProcessGroupKwargs, broadcast_object_list, set_seed)
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
@@ -36,6 +37,18 @@ from train.metrics import MetricsLog
 log = get_logger(__name__)
 
 
+@dataclass
+class Job:
+    """What every step needs, built once; model, optimizer and loaders are accelerate-prepared."""
+
+    accelerator: Accelerator
+    model: torch.nn.Module  # the head, wrapped for DDP / DeepSpeed
+    optimizer: torch.optim.Optimizer
+    train_dl: DataLoader
+    val_dl: DataLoader | None
+    features: Callable  # batch -> TargetFeatures of the frozen target
+
+
 def train(cfg: DictConfig) -> Path:
     """Run one training job described by a composed `conf/train.yaml`; returns the run dir.
 
@@ -45,85 +58,44 @@ def train(cfg: DictConfig) -> Path:
     t = cfg.train
     accelerator = make_accelerator(cfg)
     run_dir = shared_run_dir(accelerator, cfg.output_dir)
+    job = setup(cfg, accelerator)
+    state, resumed = restore(cfg, accelerator, run_dir)
+    metrics = MetricsLog(accelerator, run_dir, cfg, resumed_step=state["step"] if resumed else None)
 
-    # ------------------------------------------------------------------------------------ set-up
-    target = load_frozen_target(accelerator, cfg)
-    train_ds, val_ds = build_datasets(cfg.data, target.tokenizer, t.max_length, t.seed,
-                                      main_process_first=accelerator.main_process_first)
-    set_seed(t.seed)  # the same head initialisation on every rank
-    head = build_head(cfg.head.kind, target, **OmegaConf.to_container(cfg.head.options, resolve=True))
-    head.init_from_data(token_counts(train_ds, target.config.vocab_size))
-    features = make_feature_source(cfg.data, target, head.feature_layers())
-    optimizer = make_optimizer(head, cfg.optim)
-    train_dl, val_dl = make_loaders(cfg, train_ds, val_ds, target.tokenizer.pad_token_id,
-                                    accelerator.num_processes)
-    configure_deepspeed(accelerator, cfg)
-    model, optimizer, train_dl = accelerator.prepare(head, optimizer, train_dl)
-    if val_dl is not None:
-        val_dl = accelerator.prepare(val_dl)
-    set_seed(t.seed, device_specific=True)  # training noise differs per rank
-
-    state = {"step": 0, "tokens_seen": 0, "best_sim_tau": None, "best_step": None}
-    ckpt = find_checkpoint(cfg.resume, run_dir)
-    if ckpt is not None:  # head, optimizer, RNG of every rank, sampler; then our own counters
-        state.update(load_checkpoint(accelerator, ckpt))
-        log.info(f"resumed from {ckpt} at step {state['step']}")
-    elif cfg.resume == "latest":
-        log.info(f"resume=latest: no checkpoint under {run_dir}, starting fresh")
-
-    metrics = MetricsLog(accelerator, run_dir, cfg, resumed_step=state["step"] if ckpt is not None else None)
     step = state["step"]
     end = t.max_steps if t.stop_after is None else min(t.max_steps, step + t.stop_after)
-    batches = endless(train_dl, first=step * t.grad_accum)
+    batches = endless(job.train_dl, first=step * t.grad_accum)
     window = Window(accelerator)
     bar = tqdm(total=t.max_steps, initial=step, desc=f"train {cfg.head.kind}", dynamic_ncols=True,
                disable=not accelerator.is_main_process)
     started = time.perf_counter()
-    max_norm = cfg.optim.grad_clip or math.inf
-    val = None
-    model.train()
-
-    # ------------------------------------------------------------------------------------ the loop
+    job.model.train()
     while step < end:
         lr = lr_at(step, cfg.optim, t.max_steps)
-        for group in optimizer.param_groups:
+        for group in job.optimizer.param_groups:
             group["lr"] = lr
         for _ in range(t.grad_accum):
-            batch = next(batches)
-            with accelerator.accumulate(model):
-                out = model(batch["input_ids"], batch["loss_mask"], features(batch))
-                accelerator.backward(out.loss)
-                if accelerator.sync_gradients:
-                    window.grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            window.add(out, batch)
+            micro_step(job, next(batches), window, max_norm=cfg.optim.grad_clip or math.inf)
         step += 1
         bar.update(1)
 
         if step % t.log_every == 0 or step == end:
             row = window.flush(state)
-            metrics.write({"split": "train", "step": step, **row, "lr": lr, "epoch": epoch_of(step, t, train_dl),
+            metrics.write({"split": "train", "step": step, **row, "lr": lr, "epoch": epoch_of(step, t, job),
                            "elapsed_s": round(time.perf_counter() - started, 2)})
             bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}")
-
-        if val_dl is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.max_steps):
-            val = validate(accelerator, model, val_dl, features)
-            metrics.write({"split": "val", "step": step, **val})
-            if state["best_sim_tau"] is None or val["sim_tau"] > state["best_sim_tau"]:
-                state.update(best_sim_tau=val["sim_tau"], best_step=step)
-                save_head_folder(accelerator, model, run_dir / "checkpoints" / "best",
-                                 recipe(cfg, accelerator, step, state, val))
-
+        if job.val_dl is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.max_steps):
+            state["last_val"] = validate(job)
+            metrics.write({"split": "val", "step": step, **state["last_val"]})
+            keep_if_best(cfg, job, run_dir, step, state, window)
         if (t.save_every and step % t.save_every == 0) or (step == end < t.max_steps):
             window.count_tokens(state)
             save_checkpoint(accelerator, run_dir, step, state, keep=t.keep_checkpoints)
-
-    # ------------------------------------------------------------------------------------ the end
     bar.close()
+
     if step >= t.max_steps:
         window.count_tokens(state)
-        save_head_folder(accelerator, model, run_dir / "final", recipe(cfg, accelerator, step, state, val))
+        save_head_folder(accelerator, job.model, run_dir / "final", recipe(cfg, accelerator, step, state))
         log.info(f"trained {step} steps in {time.perf_counter() - started:.1f}s: {run_dir / 'final'}")
     else:
         log.info(f"stopped after step {step} (train.stop_after); continue with resume=latest "
@@ -168,6 +140,41 @@ def shared_run_dir(accelerator: Accelerator, output_dir: str) -> Path:
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
+    """Frozen target, data, head (seeing the data first), optimizer, loaders; then `prepare` the head side
+    only: the target stays outside the wrapper, the optimizer and the checkpoints."""
+    t = cfg.train
+    target = load_frozen_target(accelerator, cfg)
+    train_ds, val_ds = build_datasets(cfg.data, target.tokenizer, t.max_length, t.seed,
+                                      main_process_first=accelerator.main_process_first)
+    set_seed(t.seed)  # the same head initialisation on every rank
+    head = build_head(cfg.head.kind, target, **OmegaConf.to_container(cfg.head.options, resolve=True))
+    head.init_from_data(token_counts(train_ds, target.config.vocab_size))
+    features = make_feature_source(cfg.data, target, head.feature_layers())
+    optimizer = make_optimizer(head, cfg.optim)
+    train_dl, val_dl = make_loaders(cfg, train_ds, val_ds, target.tokenizer.pad_token_id,
+                                    accelerator.num_processes)
+    configure_deepspeed(accelerator, cfg)
+    model, optimizer, train_dl = accelerator.prepare(head, optimizer, train_dl)
+    if val_dl is not None:
+        val_dl = accelerator.prepare(val_dl)
+    set_seed(t.seed, device_specific=True)  # training noise differs per rank
+    return Job(accelerator, model, optimizer, train_dl, val_dl, features)
+
+
+def restore(cfg: DictConfig, accelerator: Accelerator, run_dir: Path) -> tuple[dict, bool]:
+    """The trainer state to start from: fresh, or a checkpoint's (head, optimizer, RNG of every rank and
+    data sampler are restored in place by accelerate)."""
+    state = {"step": 0, "tokens_seen": 0, "best_sim_tau": None, "best_step": None, "last_val": None}
+    ckpt = find_checkpoint(cfg.resume, run_dir)
+    if ckpt is not None:
+        state.update(load_checkpoint(accelerator, ckpt))
+        log.info(f"resumed from {ckpt} at step {state['step']}")
+    elif cfg.resume == "latest":
+        log.info(f"resume=latest: no checkpoint under {run_dir}, starting fresh")
+    return state, ckpt is not None
 
 
 def load_frozen_target(accelerator: Accelerator, cfg: DictConfig):
@@ -226,6 +233,20 @@ def lr_at(step: int, optim: DictConfig, max_steps: int) -> float:
     return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (optim.lr - min_lr)
 
 
+def micro_step(job: Job, batch: dict, window: "Window", max_norm: float) -> None:
+    """Forward and backward on one micro-batch; the optimizer steps when accumulation is complete
+    (accelerate's `accumulate` skips the gradient all-reduce and the step before that)."""
+    accelerator = job.accelerator
+    with accelerator.accumulate(job.model):
+        out = job.model(batch["input_ids"], batch["loss_mask"], job.features(batch))
+        accelerator.backward(out.loss)
+        if accelerator.sync_gradients:
+            window.grad_norm = accelerator.clip_grad_norm_(job.model.parameters(), max_norm)
+        job.optimizer.step()
+        job.optimizer.zero_grad(set_to_none=True)
+    window.add(out, batch)
+
+
 def endless(loader, first: int = 0):
     """Batches across epochs, starting at micro-batch `first` (the position a resumed run stopped at)."""
     epoch, skip = divmod(first, len(loader))
@@ -235,8 +256,8 @@ def endless(loader, first: int = 0):
         epoch, skip = epoch + 1, 0
 
 
-def epoch_of(step: int, t: DictConfig, loader) -> float:
-    return round(step * t.grad_accum / len(loader), 3)
+def epoch_of(step: int, t: DictConfig, job: Job) -> float:
+    return round(step * t.grad_accum / len(job.train_dl), 3)
 
 
 class Window:
@@ -280,14 +301,15 @@ class Window:
 # ------------------------------------------------------------------------------------ validation
 
 @torch.no_grad()
-def validate(accelerator: Accelerator, model, loader, features) -> dict:
+def validate(job: Job) -> dict:
     """Per-depth top-1 accuracy of the head's drafts on the held-out split (all ranks) and the simulated
     tau = 1 + sum_k prod_{j<=k} acc_j they imply (design.md section 3)."""
+    accelerator, model = job.accelerator, job.model
     model.eval()
     correct = count = None
     loss, batches = 0.0, 0
-    for batch in loader:
-        out = model(batch["input_ids"], batch["loss_mask"], features(batch))
+    for batch in job.val_dl:
+        out = model(batch["input_ids"], batch["loss_mask"], job.features(batch))
         correct = out.depth_correct.float() if correct is None else correct + out.depth_correct
         count = out.depth_count.float() if count is None else count + out.depth_count
         loss, batches = loss + out.loss.float(), batches + 1
@@ -300,9 +322,20 @@ def validate(accelerator: Accelerator, model, loader, features) -> dict:
             **{f"acc_depth_{k + 1}": a for k, a in enumerate(acc)}}
 
 
+def keep_if_best(cfg: DictConfig, job: Job, run_dir: Path, step: int, state: dict, window: "Window") -> None:
+    """Pick checkpoints by acceptance, not by loss: loss can keep falling while tau peaks."""
+    tau = state["last_val"]["sim_tau"]
+    if state["best_sim_tau"] is not None and tau <= state["best_sim_tau"]:
+        return
+    state.update(best_sim_tau=tau, best_step=step)
+    window.count_tokens(state)
+    save_head_folder(job.accelerator, job.model, run_dir / "checkpoints" / "best",
+                     recipe(cfg, job.accelerator, step, state))
+
+
 # ------------------------------------------------------------------------------------ the result
 
-def recipe(cfg: DictConfig, accelerator: Accelerator, step: int, state: dict, val: dict | None) -> dict:
+def recipe(cfg: DictConfig, accelerator: Accelerator, step: int, state: dict) -> dict:
     """What went into a head, stored in its config.json (export writes the model card from it)."""
     t = cfg.train
     return {"training": {
@@ -317,7 +350,7 @@ def recipe(cfg: DictConfig, accelerator: Accelerator, step: int, state: dict, va
         "seed": t.seed,
         "data": OmegaConf.to_container(cfg.data, resolve=True),
         "tokens_seen": state["tokens_seen"],
-        "validation": val,
+        "validation": state["last_val"],
         "best": {"step": state["best_step"], "sim_tau": state["best_sim_tau"]},
     }}
 

@@ -8,6 +8,7 @@ ends with one line on stderr naming the problem and exit code 2, before anything
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import sys
@@ -38,6 +39,7 @@ FULL_ERRORS = bool(os.environ.get("HYDRA_FULL_ERROR"))  # the user asked for Hyd
 def main(cfg: DictConfig) -> None:
     from train.loop import train
 
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # not a line per checkpoint file
     try:
         train(cfg)
     except USER_ERRORS as exc:
