@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
 from torch import Tensor
 
 PROVENANCE_FILE = "headway.json"
