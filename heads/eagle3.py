@@ -37,7 +37,11 @@ DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    return sorted(min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3))
+    """EAGLE-3's low/mid/high choice; on very shallow targets (tests) it would repeat a layer, which no
+    serving engine can capture, so spread three distinct layer inputs over [1, N-1] instead."""
+    if num_layers >= 8:
+        return [2, num_layers // 2, num_layers - 3]
+    return [1, max(num_layers // 2, 1), max(num_layers - 1, 1)] if num_layers >= 4 else [num_layers - 1] * 1
 
 
 @register_head("eagle3")
