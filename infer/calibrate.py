@@ -4,12 +4,14 @@ Verifying N tokens in one forward costs about one plain step while the target is
 section 0); past the ridge point T(N) grows linearly and big trees stop paying. The engine therefore sizes
 trees from the measured curve instead of a constant:
 
-    budget N(B) = the largest N <= max_nodes with T(B * N) <= slack * T(B)
+    budget N(B) = the largest N <= max_nodes with r = T(B * N) / T(B) <= min(slack, 1 + node_cost * (N - 1))
 
 i.e. a verification step may cost at most `slack` plain steps of the same batch (default 2: a tree pays
-off as long as it yields > 2 tokens per step, which good heads reach). Measured tokens are B * N because a
-batch of B rows with N nodes each is one forward of B * N tokens; this is also what throttles drafting at
-large batch (seed failure mode 2): when B alone is past the ridge, T(2B) ~ 2 T(B) and N falls to 1-2.
+off as long as it yields > 2 tokens per step, which good heads reach) and each extra node at most
+`node_cost` (default 0.5) of a plain step on average (an extra node yields well under one token). Measured
+tokens are B * N because a batch of B rows with N nodes each is one forward of B * N tokens; this is also
+what throttles drafting at large batch (seed failure mode 2): once B alone is past the ridge, T(2B) ~
+2 T(B) > 1.5 T(B) and N falls to 1 (no speculation).
 Without a curve the seed's static throttle applies (full trees for B <= 8, a quarter for B <= 32, none
 beyond).
 
@@ -36,6 +38,13 @@ class TreeBudget:
     max_nodes: int = 64  # hard cap on tree nodes per row (root included)
     curve: dict[int, float] | None = None  # N -> seconds for one target forward of N tokens
     slack: float = 2.0  # a verification step may cost up to slack * T(B)
+    node_cost: float = 0.5  # ... and each extra node up to node_cost * T(B) on average
+
+    def __post_init__(self):
+        if self.curve:  # T is non-decreasing in N and noise only ever adds time: keep the min to the right
+            sizes = sorted(self.curve)
+            times = torch.tensor([self.curve[n] for n in sizes]).flip(0).cummin(0).values.flip(0)
+            self.curve = dict(zip(sizes, times.tolist()))
 
     def max_tokens(self, batch_size: int) -> int:
         """Tree nodes per row (root included, >= 1) for a batch of `batch_size` rows."""
@@ -43,9 +52,12 @@ class TreeBudget:
             if batch_size <= 8:
                 return self.max_nodes
             return max(1, self.max_nodes // 4) if batch_size <= 32 else 1
-        limit = self.slack * self.latency(batch_size)
+        plain = self.latency(batch_size)
         n = 1
-        while n < self.max_nodes and self.latency(batch_size * (n + 1)) <= limit:
+        while n < self.max_nodes:
+            ratio = self.latency(batch_size * (n + 1)) / plain
+            if ratio > min(self.slack, 1 + self.node_cost * n):
+                break
             n += 1
         return n
 
@@ -60,8 +72,9 @@ class TreeBudget:
         return t_lo + (t_hi - t_lo) * (tokens - lo) / (hi - lo)
 
     @classmethod
-    def for_target(cls, target, max_nodes: int = 64, slack: float = 2.0, measure: bool = True) -> "TreeBudget":
-        """The budget from the cached (or, with measure=True, freshly measured) curve of this target."""
+    def for_target(cls, target, max_nodes: int = 64, slack: float = 2.0, measure: bool = False) -> "TreeBudget":
+        """The budget from this target's cached curve (`python -m infer.calibrate`), measured now if
+        `measure`; without a curve, the static batch-size throttle."""
         curve = load_curve(target)
         if curve is None and measure:
             curve = calibrate_latency(target)
@@ -69,9 +82,9 @@ class TreeBudget:
 
 
 def curve_path(target) -> Path:
-    from heads.target import cache_root
+    from heads.target import Target, cache_root
 
-    model = target.model
+    model = target.model if isinstance(target, Target) else target
     device = next(model.parameters()).device
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     name = getattr(getattr(target, "spec", None), "name", None) or model.config.model_type

@@ -131,13 +131,15 @@ def encode_prompts(tokenizer, texts: list[str], chat: bool = True) -> list[list[
 class SpeculativeEngine:
     """Generate with a frozen target, optionally drafting with `drafter` (see infer.drafters)."""
 
-    def __init__(self, target, drafter=None, *, block_size: int = 16, budget: TreeBudget | None = None,
+    def __init__(self, target, drafter=None, *, block_size: int = 16, budget: TreeBudget | str = "auto",
                  eos_token_id: int | list[int] | None = None):
+        """budget: a TreeBudget, or "auto" = this target's cached T(N) curve if `python -m infer.calibrate`
+        measured one on this machine, else the static batch-size throttle (see infer/calibrate.py)."""
         self.model = target.model if hasattr(target, "model") else target
         self.tokenizer = getattr(target, "tokenizer", None)
         self.drafter = drafter
         self.block_size = block_size
-        self.budget = budget or TreeBudget()
+        self.budget = TreeBudget.for_target(target) if budget == "auto" else budget
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.num_layers = self.model.config.num_hidden_layers

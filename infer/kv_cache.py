@@ -299,3 +299,47 @@ class PagedKVCache(Cache):
 
     def blocks_in_use(self) -> int:
         return self.num_blocks - self.num_free
+
+
+class PagedContextKV:
+    """Drop-in for heads.layers.ContextKV (a head's committed-context KV for one attention layer) backed by
+    a one-layer PagedKVCache: memory grows a block at a time instead of [B, H, max_len, d] up front.
+
+    append(k, v [B, H, n, d], positions [B, n], valid [B, n]) stores the valid entries after each row's last;
+    view() -> (k, v [B, H, L, d], positions [B, L], valid [B, L]) with L the longest row (None if empty)."""
+
+    def __init__(self, batch_size: int, max_len: int, block_size: int = 16):
+        self.batch_size, self.max_len, self.block_size = batch_size, max_len, block_size
+        self.cache: PagedKVCache | None = None
+        self.pos = torch.zeros(batch_size, max_len, dtype=torch.long)
+
+    def append(self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor) -> None:
+        if self.cache is None:
+            B, H, _, d = k.shape
+            self.cache = PagedKVCache(1, H, d, batch_size=B, num_blocks=B * -(-self.max_len // self.block_size),
+                                      block_size=self.block_size, max_seq_len=self.max_len, dtype=k.dtype,
+                                      device=k.device)
+        valid = valid.cpu()
+        order = (~valid).long().argsort(dim=1, stable=True)  # valid entries first, in order
+        num = valid.sum(1)
+        start = self.cache.lengths.clone()
+        self.cache.prepare(num, k.shape[2])
+        idx = order.to(k.device)[:, None, :, None].expand_as(k)
+        self.cache.update(k.gather(2, idx), v.gather(2, idx), 0)
+        cols = start[:, None] + torch.arange(k.shape[2])
+        keep = torch.arange(k.shape[2]) < num[:, None]
+        self.pos[torch.arange(self.batch_size)[:, None].expand_as(cols)[keep], cols[keep]] = \
+            positions.cpu().gather(1, order)[keep]
+
+    def view(self):
+        if self.cache is None:
+            return None
+        L = max(int(self.cache.lengths.max()), 1)
+        cache = self.cache
+        slots = cache._slots(torch.arange(L).expand(self.batch_size, L)).flatten().to(cache.device)
+        heads, dim = cache.keys.shape[1], cache.keys.shape[-1]
+        k, v = (pool[0].index_select(1, slots).view(heads, self.batch_size, L, dim).transpose(0, 1)
+                for pool in (cache.keys, cache.values))
+        valid = torch.arange(L)[None] < cache.lengths[:, None]
+        dev = cache.device
+        return k, v, self.pos[:, :L].to(dev), valid.to(dev)

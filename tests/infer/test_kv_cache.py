@@ -121,3 +121,23 @@ def test_compact_keeps_the_accepted_path_at_consecutive_positions():
         torch.testing.assert_close(stored(cache, row)[0], torch.cat([ctx[row], tree[row][:, nodes]], 1))
         torch.testing.assert_close(stored(cache, row, layer=2)[1], -torch.cat([ctx[row], tree[row][:, nodes]], 1) - 2)
     assert cache.blocks_in_use() == 4  # ceil(6/4) + ceil(5/4): the tree's extra blocks were freed
+
+
+def test_paged_context_kv_is_a_drop_in_for_the_heads_context_kv():
+    from heads.layers import ContextKV
+
+    from infer.kv_cache import PagedContextKV
+
+    torch.manual_seed(0)
+    dense, paged = ContextKV(3, 40), PagedContextKV(3, 40, block_size=4)
+    for n in (5, 1, 3, 7):
+        k, v = torch.randn(3, H, n, D), torch.randn(3, H, n, D)
+        pos, valid = torch.randint(0, 100, (3, n)), torch.rand(3, n) < 0.7
+        dense.append(k, v, pos, valid)
+        paged.append(k, v, pos, valid)
+        want, got = dense.view(), paged.view()
+        assert torch.equal(want[3], got[3])
+        seen = want[3]
+        for a, b in zip(want[:3], got[:3]):  # stored entries agree (beyond a row's length: don't care)
+            m = seen[:, None, :, None] if a.dim() == 4 else seen
+            assert torch.equal(torch.where(m, a, 0), torch.where(m, b, 0))

@@ -6,6 +6,7 @@ import torch
 
 from heads.base import build_head
 from heads.target import build_tiny_random, load_target
+from infer.calibrate import TreeBudget
 from infer.drafters import DynamicTree, StaticTree, build_drafter
 from infer.engine import SpeculativeEngine
 
@@ -30,7 +31,7 @@ def plain(target, prompts):
 
 
 def speculate(target, prompts, drafter, **kw):
-    return SpeculativeEngine(target, drafter, block_size=4).generate(prompts, max_new_tokens=NEW,
+    return SpeculativeEngine(target, drafter, block_size=4, budget=TreeBudget()).generate(prompts, max_new_tokens=NEW,
                                                                      stop_on_eos=False, **kw)
 
 
@@ -100,3 +101,59 @@ def test_static_tree_from_accuracies_prefers_likely_paths():
     assert tree.choices[0] == (0,) and tree.choices[1] == (0, 0)
     assert all(len(c) == 1 or c[:-1] in tree.choices[:i] for i, c in enumerate(tree.choices))
     assert len(tree.choices) == 5
+
+
+def test_heads_drafting_over_the_paged_context_kv(target, prompts, plain, monkeypatch):
+    import heads.layers
+
+    from infer.kv_cache import PagedContextKV
+
+    head = build_head("eagle", target)
+    drafter = build_drafter("head", target, head=head, policy="dynamic", total_tokens=10, depth=3, top_k=3)
+    dense = speculate(target, prompts, drafter)
+    monkeypatch.setattr(heads.layers, "ContextKV", PagedContextKV)
+    paged = speculate(target, prompts, drafter)
+    assert paged.tokens == plain
+    assert paged.stats.accepted_at_depth == dense.stats.accepted_at_depth  # the same drafts
+
+
+@pytest.mark.parametrize("policy, opts", [("dynamic", dict(total_tokens=8, depth=3, top_k=3)),
+                                          ("chain", dict(gamma=3, sample=True))])
+def test_sampling_keeps_the_targets_joint_distribution(target, policy, opts):
+    """3 sampled tokens (top-k 4: 64 outcomes) from 4000 rows of one speculative batch vs the exact joint."""
+    from scipy.stats import chisquare
+
+    import copy
+
+    other = copy.deepcopy(target.model)  # a draft model that agrees with the target only partly
+    with torch.no_grad():
+        other.lm_head.weight.add_(0.1 * torch.randn(other.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
+    drafter = build_drafter("draft_model", target, draft_model=other, policy=policy, **opts)
+    prompt, rows, k = [7, 8, 9, 10], 4000, 4
+    flat = TreeBudget(curve={1: 1.0, 10**6: 1.0})  # no batch throttle: draft for all 4000 rows
+    out = SpeculativeEngine(target, drafter, budget=flat).generate(
+        [prompt] * rows, max_new_tokens=3, temperature=1.0, top_k=k, seed=0, stop_on_eos=False)
+    assert 0.1 < out.stats.acceptance_by_depth[0] < 0.9  # drafts were accepted and rejected
+    samples = torch.tensor(out.tokens)  # [rows, 3]
+
+    def next_probs(seqs):  # exact warped next-token distributions [n, V]
+        from infer.sampling import warp_probs
+        with torch.no_grad():
+            logits = target.model(input_ids=torch.tensor(seqs)).logits[:, -1]
+        return warp_probs(logits, 1.0, k, None)
+
+    joint = {}
+    p1 = next_probs([prompt])[0]
+    for x1 in p1.nonzero()[:, 0].tolist():
+        p2 = next_probs([prompt + [x1]])[0]
+        for x2 in p2.nonzero()[:, 0].tolist():
+            p3 = next_probs([prompt + [x1, x2]])[0]
+            for x3 in p3.nonzero()[:, 0].tolist():
+                joint[(x1, x2, x3)] = float(p1[x1] * p2[x2] * p3[x3])
+    outcomes = list(joint)
+    index = {o: i for i, o in enumerate(outcomes)}
+    counts = torch.zeros(len(outcomes))
+    for row in samples.tolist():
+        counts[index[tuple(row)]] += 1  # a KeyError here is an impossible sequence
+    expected = torch.tensor([joint[o] for o in outcomes]) * rows
+    assert chisquare(counts.numpy(), expected.numpy() / expected.sum().item() * rows).pvalue > 1e-4

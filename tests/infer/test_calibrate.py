@@ -1,0 +1,35 @@
+"""The tree budget follows the latency curve: flat T(N) -> big trees, compute-bound -> small ones."""
+
+from heads.target import load_target
+from infer.calibrate import TreeBudget, calibrate_latency
+
+
+def roofline(ridge: int):
+    """A synthetic T(N): flat (1 ms) up to `ridge` tokens, then linear."""
+    return {n: 1e-3 * max(1.0, n / ridge) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)}
+
+
+def test_budget_grows_with_the_ridge_and_shrinks_with_batch():
+    gpu, cpu = TreeBudget(curve=roofline(256)), TreeBudget(curve=roofline(4))
+    assert gpu.max_tokens(1) == 64  # flat all the way: the cap
+    assert cpu.max_tokens(1) == 8  # T(8) = 2 T(1)
+    assert gpu.max_tokens(16) == 32 and gpu.max_tokens(64) == 8 and gpu.max_tokens(512) == 1
+    sizes = [gpu.max_tokens(b) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_static_throttle_without_a_curve():
+    budget = TreeBudget(max_nodes=40)
+    assert [budget.max_tokens(b) for b in (1, 8, 9, 32, 33)] == [40, 40, 10, 10, 1]
+
+
+def test_noise_spikes_do_not_shrink_the_budget():
+    curve = roofline(64)
+    curve[2] = 0.5  # one disturbed measurement
+    assert TreeBudget(curve=curve).max_tokens(1) == 64
+
+
+def test_calibration_measures_every_size():
+    target = load_target({"path": "tiny-random", "name": "tiny-random"})
+    curve = calibrate_latency(target, sizes=(1, 4, 16), context=8, repeats=1, save=False)
+    assert sorted(curve) == [1, 4, 16] and all(t > 0 for t in curve.values())
