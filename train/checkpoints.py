@@ -75,10 +75,17 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: d
     return final
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
-    """Restore head, optimizer, RNG and sampler states (every rank) and return the trainer state."""
+def load_checkpoint(accelerator: Accelerator, path: Path, expect: dict) -> dict:
+    """Restore head, optimizer, RNG and sampler states (every rank) and return the trainer state, after
+    checking it was saved by the same head on the same target (`expect`: {"head": ..., "target": ...})."""
+    state = json.loads((Path(path) / STATE_FILE).read_text())
+    saved = {k: state.get(k, v) for k, v in expect.items()}
+    if saved != expect:
+        raise ConfigError(f"checkpoint {path} was saved by head={saved['head']} on target={saved['target']}, "
+                          f"this run is head={expect['head']} on target={expect['target']}: resume with the "
+                          f"same head and target, or start fresh (resume=null or another hydra.run.dir)")
     accelerator.load_state(str(path))
-    return json.loads((Path(path) / STATE_FILE).read_text())
+    return state
 
 
 def save_head_folder(accelerator: Accelerator, model, directory: Path, extra: dict) -> None:

@@ -167,13 +167,15 @@ def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
 def restore(cfg: DictConfig, accelerator: Accelerator, run_dir: Path) -> tuple[dict, bool]:
     """The trainer state to start from: fresh, or a checkpoint's (head, optimizer, RNG of every rank and
     data sampler are restored in place by accelerate)."""
-    state = {"step": 0, "tokens_seen": 0, "best_sim_tau": None, "best_step": None, "last_val": None}
+    identity = {"head": cfg.head.kind, "target": cfg.target.name}
+    state = {"step": 0, "tokens_seen": 0, "best_sim_tau": None, "best_step": None, "last_val": None, **identity}
     ckpt = find_checkpoint(cfg.resume, run_dir)
     if ckpt is not None:
-        state.update(load_checkpoint(accelerator, ckpt))
+        state.update(load_checkpoint(accelerator, ckpt, expect=identity))
         log.info(f"resumed from {ckpt} at step {state['step']}")
     elif cfg.resume == "latest":
-        log.info(f"resume=latest: no checkpoint under {run_dir}, starting fresh")
+        log.info(f"resume=latest: no checkpoint under {run_dir}/checkpoints, starting fresh (to continue a "
+                 f"killed run, pass its dir: hydra.run.dir=<run dir> or resume=<run dir>)")
     return state, ckpt is not None
 
 
@@ -271,6 +273,7 @@ class Window:
 
     def reset(self):
         self.loss, self.micro, self.extra = 0.0, 0, {}
+        self.started = time.perf_counter()
 
     def add(self, out, batch) -> None:
         self.loss += out.loss.detach()
@@ -290,8 +293,10 @@ class Window:
         local = torch.tensor([float(self.loss) / self.micro] + [self.extra[k] / self.micro for k in keys],
                              device=self.accelerator.device)
         mean = self.accelerator.reduce(local, "mean").tolist()
+        before = state["tokens_seen"]
         self.count_tokens(state)
-        row = {"loss": mean[0], **dict(zip(keys, mean[1:])), "tokens_seen": state["tokens_seen"]}
+        row = {"loss": mean[0], **dict(zip(keys, mean[1:])), "tokens_seen": state["tokens_seen"],
+               "tokens_per_s": round((state["tokens_seen"] - before) / (time.perf_counter() - self.started), 1)}
         if self.grad_norm is not None:
             row["grad_norm"] = float(self.grad_norm)
         self.reset()

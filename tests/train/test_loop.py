@@ -94,6 +94,13 @@ def test_resume_finds_checkpoints_and_rejects_bad_paths(tmp_path):
         find_checkpoint(str(tmp_path / "nothing-here"), run)
 
 
+def test_resuming_another_heads_checkpoint_fails_clearly(tmp_path):
+    train(compose_train("head=eagle", "experiment=smoke", "train.stop_after=1", run_dir=tmp_path))
+    with pytest.raises(ConfigError, match="head=eagle .*head=medusa"):
+        train(compose_train("head=medusa", "experiment=smoke", "resume=latest", run_dir=tmp_path))
+    assert not (tmp_path / "final").exists()
+
+
 def test_wandb_offline_writes_run_files(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
