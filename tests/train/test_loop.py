@@ -58,14 +58,15 @@ def test_training_loss_falls(tmp_path):
 
 
 def test_resume_after_a_stop_equals_an_uninterrupted_run(tmp_path):
-    """2 steps, stop, restart with resume=latest, 2 more steps == 4 steps in one go (gradient
-    accumulation, the learning-rate schedule, the data order and EAGLE's feature noise included)."""
-    common = ["head=eagle", "experiment=smoke", "train.max_steps=4", "train.grad_accum=2",
-              "train.save_every=2", "train.eval_every=2"]
+    """8 steps, stop, restart with resume=latest, 2 more steps == 10 steps in one go: gradient
+    accumulation, the learning-rate schedule, the data order (the restart lands mid-way through the second
+    epoch: 14 micro-batches per epoch) and EAGLE's feature noise all continue where they stopped."""
+    common = ["head=eagle", "experiment=smoke", "train.max_steps=10", "train.grad_accum=2",
+              "train.save_every=0", "train.eval_every=5"]
     straight = train(compose_train(*common, run_dir=tmp_path / "straight"))
-    train(compose_train(*common, "train.stop_after=2", run_dir=tmp_path / "split"))
+    train(compose_train(*common, "train.stop_after=8", run_dir=tmp_path / "split"))
     assert not (tmp_path / "split" / "final").exists()  # stopped early: no final head yet
-    assert [p.name for p in step_dirs(tmp_path / "split")] == ["step_0000002"]
+    assert [p.name for p in step_dirs(tmp_path / "split")] == ["step_0000008"]
     resumed = train(compose_train(*common, "resume=latest", run_dir=tmp_path / "split"))
 
     a = load_file(str(straight / "final" / "model.safetensors"))
@@ -74,9 +75,10 @@ def test_resume_after_a_stop_equals_an_uninterrupted_run(tmp_path):
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
     # the resumed run's log reads like one run: no duplicated steps, same losses
-    assert [r["step"] for r in rows(resumed, "train")] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows(resumed, "train")] == list(range(1, 11))
     for x, y in zip(rows(straight, "train"), rows(resumed, "train")):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["tokens_seen"] == x["tokens_seen"]
+    assert rows(resumed, "val")[-1]["sim_tau"] == pytest.approx(rows(straight, "val")[-1]["sim_tau"])
 
 
 def test_resume_finds_checkpoints_and_rejects_bad_paths(tmp_path):
