@@ -308,7 +308,7 @@ def measured_latency(target_name: str, sizes: list[int], context: int) -> dict[i
             "smollm2-135m": {"path": "embedded:smollm2", "name": "smollm2-135m"}}
     target = load_target(spec.get(target_name, {"path": target_name, "name": target_name}))
     # save=False: the engine's cached curve (its own context) stays what `python -m infer.calibrate` wrote
-    return calibrate_latency(target, sizes, context=context, repeats=2, save=False)
+    return calibrate_latency(target, sizes, context=context, repeats=3, save=False)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -377,12 +377,36 @@ def report(args: dict, out=print) -> None:
         f"{expected_tokens_chain(alpha, gamma) / (float(latency(gamma + 1) / latency(1)) + gamma * c):.2f}x")
     if args["acceptance"] is not None:
         rates = read_acceptance(args["acceptance"])
-        plan = best_tree(rates, latency, c, args["max_nodes"], args["top_k"])
-        out(f"tree for acceptance by depth {[round(r, 3) for r in rates]}: best size {plan.size} nodes "
-            f"(depth {plan.depth}), E[tokens/step] {plan.expected_tokens:.2f}, predicted speedup {plan.speedup:.2f}x")
-        for size, depth, exp, speed in plan.curve:
-            if size in (0, 1, 2, 4, 8, 16, 32, 60, 64, 128) or size == plan.size:
-                out(f"  size {size:>4} depth {depth:>2} E[tokens] {exp:>5.2f} speedup {speed:>5.2f}x")
+        curves = {"roofline T(N)": latency}
+        if measured:
+            curves["measured T(N)"] = interpolate(measured)
+        plans = {name: best_tree(rates, fn, c, args["max_nodes"], args["top_k"]) for name, fn in curves.items()}
+        out(f"tree for acceptance by depth {[round(r, 3) for r in rates]}, draft cost c {c} per level:")
+        for name, plan in plans.items():
+            out(f"  with the {name}: best size {plan.size} nodes (depth {plan.depth}), "
+                f"E[tokens/step] {plan.expected_tokens:.2f}, predicted speedup {plan.speedup:.2f}x")
+        out(f"  {'size':>5} {'depth':>5} {'E[tokens]':>9} " + " ".join(f"{'speedup (' + n + ')':>24}" for n in plans))
+        shown = {0, 1, 2, 4, 8, 16, 32, 60, 64, 128} | {p.size for p in plans.values()}
+        for rows in zip(*(p.curve for p in plans.values())):
+            size, depth, exp, _ = rows[0]
+            if size in shown:
+                out(f"  {size:>5} {depth:>5} {exp:>9.2f} " + " ".join(f"{r[3]:>23.2f}x" for r in rows))
+
+
+def interpolate(curve: dict[int, float]):
+    """T(N) from measured points: piecewise linear, extended linearly past the largest N. Noise only ever
+    adds time and T never falls with N, so each point is first lowered to the smallest time to its right."""
+    sizes = sorted(curve)
+    xs = torch.tensor(sizes, dtype=torch.float64)
+    ys = torch.tensor([curve[n] for n in sizes], dtype=torch.float64).flip(0).cummin(0).values.flip(0)
+
+    def latency(n):
+        n = torch.as_tensor(n, dtype=torch.float64)
+        hi = torch.searchsorted(xs, n).clamp(1, len(sizes) - 1)  # segment [hi - 1, hi]
+        x0, x1, y0, y1 = xs[hi - 1], xs[hi], ys[hi - 1], ys[hi]
+        return torch.clamp(y0 + (y1 - y0) * (n - x0) / (x1 - x0), min=float(ys.min()))
+
+    return latency
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     target = bc.load_bench_target(args.target, args.device, args.dtype)
     prompts = [ids for _, ids in bc.bench_prompts(target.tokenizer, ["mt-bench", "humaneval"], None)]
     drafter, drafter_name = make_drafter(args, target)
-    throttled = TreeBudget.for_target(target, max_nodes=args.max_nodes)  # measured T(N), cached on disk
+    throttled = TreeBudget.for_target(target, max_nodes=args.max_nodes, measure=True)  # measured T(N), cached
     full = FullTree(max_nodes=args.max_nodes)
     engines = {"plain": SpeculativeEngine(target),
                "throttled": SpeculativeEngine(target, drafter, budget=throttled),

@@ -42,7 +42,7 @@ def print_table(rows: list[dict], title: str | None = None, out=print) -> None:
 
 def _fmt(v) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
     return "-" if v is None else str(v)
 
 

@@ -166,11 +166,12 @@ def main(argv=None) -> None:
                              "offline tok/s": tokens / (t_off + t_head),
                              "offline/online": (t_on + t_head) / (t_off + t_head),
                              "head ms": 1e3 * t_head, "head us/token": 1e6 * t_head / tokens,
-                             "peak MiB online": max(m_on, m_head) / mib, "peak MiB offline": max(m_off, m_head) / mib})
+                             "features MiB online": m_on / mib, "features MiB offline": m_off / mib,
+                             "head MiB": m_head / mib})
             growth[kind] = per_token[-1] / per_token[0]
             del head
     bc.print_table(rows, "\n(head = the head's own forward + backward + AdamW step; features: online = target "
-                         "forward, offline = read from disk; peak = memory above the level before each part)")
+                         "forward, offline = read from disk; MiB = peak memory of that part above the level before it)")
     lo, hi = args.lengths[0], args.lengths[-1]
     for kind, g in growth.items():
         verdict = "no worse than linear" if g <= LINEAR_SLACK else "WORSE than linear"

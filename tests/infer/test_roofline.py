@@ -135,3 +135,10 @@ def test_cli_on_this_machine_prints_measured_next_to_predicted(capsys):
     assert rf.main(["device=local", "target=tiny-random"]) == 0
     out = capsys.readouterr().out
     assert "device local" in out and "T(N) meas ms" in out and "of roofline" in out
+
+
+def test_interpolated_measured_curve():
+    t = rf.interpolate({1: 1.0, 4: 1.0, 8: 2.0})
+    assert t(torch.tensor([1, 2, 4, 6, 8, 16])).tolist() == pytest.approx([1.0, 1.0, 1.0, 1.5, 2.0, 4.0])
+    noisy = rf.interpolate({1: 1.5, 2: 1.0, 4: 1.2})  # a disturbed T(1) is lowered to T(2)
+    assert noisy(torch.tensor([1, 2])).tolist() == pytest.approx([1.0, 1.0])
