@@ -60,8 +60,13 @@ def headline(ratio: float, what: str) -> None:
     print(f"{what}: {ratio:.2f}x")
 
 
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, tie_word_embeddings=True)
 TARGETS = {"smollm2-135m": {"path": "embedded:smollm2", "name": "smollm2-135m"},
-           "tiny-random": {"path": "tiny-random", "name": "tiny-random"}}
+           "tiny-random": {"path": "tiny-random", "name": "tiny-random"},
+           # SmolLM2-135M's shape with random weights and the byte-level tokenizer (vocab 259): for machines
+           # that cannot fetch the real weights (timings only: its outputs are noise)
+           "smollm2-random": {"path": "tiny-random", "name": "smollm2-random", "tiny": SMOLLM2_SHAPE}}
 
 
 def load_bench_target(name: str, device: str = "cpu", dtype: str = "auto"):
