@@ -199,7 +199,7 @@ class _Run:
         self.max_new = max_new_tokens
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.greedy = temperature == 0
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.generator = torch.Generator(engine.device).manual_seed(seed) if seed is not None else None
         self.stop_on_eos = stop_on_eos
         self.B = len(prompts)
         self.lens = torch.tensor([len(p) for p in prompts])
@@ -207,7 +207,10 @@ class _Run:
         for b, p in enumerate(prompts):  # once per call, not in the decoding loop
             self.prompt[b, :len(p)] = torch.tensor(p, dtype=torch.long)
         self.nodes = drafter.max_nodes(self.e.budget.max_tokens(self.B)) if drafter else 1
-        max_len = int(self.lens.max()) + max_new_tokens + self.nodes + 1
+        # a row holds its prompt, its max_new_tokens and one tree in flight; in a speculative batch a row
+        # that finished early rides along one token per step for at most max_new_tokens more steps
+        ride_along = max_new_tokens if drafter and self.B > 1 else 0
+        max_len = int(self.lens.max()) + max_new_tokens + ride_along + self.nodes + 1
         self.cache = PagedKVCache.for_model(engine.model.config, batch_size=self.B, max_seq_len=max_len,
                                             block_size=engine.block_size, dtype=engine.dtype,
                                             device=engine.device)
@@ -269,11 +272,17 @@ class _Run:
         plan, out = self.e.forward(self.cache, tokens.clamp(min=0), torch.full((self.B,), n), anc, pos, 0,
                                    hidden=True)
         logits = out.logits.float()  # [B, N, V]
+        dev = logits.device  # verify where the logits are; the cache's bookkeeping stays on the host
         if self.greedy:
-            new, num, path = verify_tree(tokens, parents, logits, greedy=True)
+            verified = verify_tree(tokens.to(dev), parents.to(dev), logits, greedy=True)
         else:
             probs = warp_probs(logits, self.temperature, self.top_k, self.top_p)
-            new, num, path = verify_tree(tokens, parents, probs, draft.draft_probs, generator=self.generator)
+            q = None if draft.draft_probs is None else draft.draft_probs.to(dev)
+            verified = verify_tree(tokens.to(dev), parents.to(dev), probs, q, generator=self.generator)
+        new, num, path = (x.cpu() for x in verified)
+        # finished rows ride along (the batch keeps its shape) keeping one token per step, so their cache
+        # stays within the size planned for them
+        num = torch.where(self.done, 1, num)
         self.cache.compact(plan.start, path, num)
         tree_depth = (depth.expand(self.B, n) * (tokens >= 0)).amax(-1)
         self.stats.record(num, tree_depth, ~self.done)

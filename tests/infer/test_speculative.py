@@ -120,7 +120,7 @@ def test_heads_drafting_over_the_paged_context_kv(target, prompts, plain, monkey
 @pytest.mark.parametrize("policy, opts", [("dynamic", dict(total_tokens=8, depth=3, top_k=3)),
                                           ("chain", dict(gamma=3, sample=True))])
 def test_sampling_keeps_the_targets_joint_distribution(target, policy, opts):
-    """3 sampled tokens (top-k 4: 64 outcomes) from 4000 rows of one speculative batch vs the exact joint."""
+    """3 sampled tokens (top-k 4: 64 outcomes) from 3000 rows of one speculative batch vs the exact joint."""
     from scipy.stats import chisquare
 
     import copy
@@ -129,8 +129,8 @@ def test_sampling_keeps_the_targets_joint_distribution(target, policy, opts):
     with torch.no_grad():
         other.lm_head.weight.add_(0.1 * torch.randn(other.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
     drafter = build_drafter("draft_model", target, draft_model=other, policy=policy, **opts)
-    prompt, rows, k = [7, 8, 9, 10], 4000, 4
-    flat = TreeBudget(curve={1: 1.0, 10**6: 1.0})  # no batch throttle: draft for all 4000 rows
+    prompt, rows, k = [7, 8, 9, 10], 3000, 4
+    flat = TreeBudget(curve={1: 1.0, 10**6: 1.0})  # no batch throttle: draft for all 3000 rows
     out = SpeculativeEngine(target, drafter, budget=flat).generate(
         [prompt] * rows, max_new_tokens=3, temperature=1.0, top_k=k, seed=0, stop_on_eos=False)
     assert 0.1 < out.stats.acceptance_by_depth[0] < 0.9  # drafts were accepted and rejected
@@ -157,3 +157,43 @@ def test_sampling_keeps_the_targets_joint_distribution(target, policy, opts):
         counts[index[tuple(row)]] += 1  # a KeyError here is an impossible sequence
     expected = torch.tensor([joint[o] for o in outcomes]) * rows
     assert chisquare(counts.numpy(), expected.numpy() / expected.sum().item() * rows).pvalue > 1e-4
+
+
+class Oracle:
+    """Proposes the plain greedy continuation for row 0 (always accepted) and junk for the others."""
+
+    def __init__(self, continuation, gamma=4):
+        self.cont, self.gamma = torch.tensor(continuation), gamma
+
+    def feature_layers(self):
+        return []
+
+    def max_nodes(self, budget):
+        return min(budget, self.gamma + 1)
+
+    def reset(self, prompt, lengths, max_len, sampling=None):
+        self.prompt_len, self.generated = lengths.clone(), torch.zeros_like(lengths)
+
+    def commit(self, tokens, feats, positions, num_valid):
+        self.generated = positions.gather(1, (num_valid - 1)[:, None])[:, 0] + 2 - self.prompt_len
+
+    def propose(self, root, max_nodes):
+        from infer.drafters import Draft
+        from infer.tree import chain_parents
+
+        B, n = root.shape[0], max_nodes - 1
+        idx = (self.generated[:, None] + torch.arange(n)).clamp(max=self.cont.shape[1] - 1)
+        tokens = torch.where(torch.arange(B)[:, None] == 0, self.cont[0].gather(0, idx[0])[None], 5)
+        return Draft(torch.cat([root[:, None], tokens], 1), chain_parents(n + 1))
+
+
+def test_rows_accepting_different_amounts_and_a_finished_row_riding_along(target, prompts):
+    prompts = prompts[:2]
+    long = SpeculativeEngine(target).generate(prompts, max_new_tokens=200, stop_on_eos=False).tokens
+    eos = next(t for i, t in enumerate(long[0]) if i >= 8 and t not in long[0][:i] + long[1][:60])
+    # row 0 ends after a few (fast, oracle-drafted) steps; row 1 crawls on to 60 tokens
+    plain = SpeculativeEngine(target, eos_token_id=eos).generate(prompts, max_new_tokens=60).tokens
+    drafter = Oracle([long[0], long[0]])
+    out = SpeculativeEngine(target, drafter, eos_token_id=eos, budget=TreeBudget()).generate(prompts, max_new_tokens=60)
+    assert out.tokens == plain  # and no CacheFullError from the finished row
+    assert out.stats.accepted_at_depth[0] > 0  # row 0 accepted its drafts
