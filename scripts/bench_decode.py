@@ -141,8 +141,8 @@ def main(argv=None) -> None:
     for temperature in args.temperatures:
         at = {r["method"]: r["vs hf_generate"] for r in rows if r["temperature"] == temperature}
         heads = {m: v for m, v in at.items() if m not in FIXED}
-        print(f"temperature {temperature:g}: headway plain {at['headway_plain']:.2f}x HF generate(); "
-              + (f"best head ({max(heads, key=heads.get)}) {max(heads.values()):.2f}x" if heads else "no trained heads"))
+        best = f"best head ({max(heads, key=heads.get)}) {max(heads.values()):.2f}x" if heads else "no trained heads"
+        print(f"temperature {temperature:g}: headway plain {at['headway_plain']:.2f}x HF generate(); {best}")
     first = args.temperatures[0]
     at = {r["method"]: r["vs hf_generate"] for r in rows if r["temperature"] == first}
     heads = {m: v for m, v in at.items() if m not in FIXED} or \

@@ -1,9 +1,9 @@
 """Training throughput and peak memory per head kind, online vs offline hidden states, by sequence length.
 
 One training step = the target's features for a batch (online: a no-grad forward of the frozen target;
-offline: reading them back from a safetensors file, as an offline cache does) + the head's own part
-(forward, backward, AdamW step). The two parts are timed apart, so the head's own cost per token can be
-checked to grow no worse than linearly with the sequence length.
+offline: reading them back from the hidden-state cache, train.data.hidden_cache, built first) + the
+head's own part (forward, backward, AdamW step). The two parts are timed apart, so the head's own cost
+per token can be checked to grow no worse than linearly with the sequence length.
 
     python scripts/bench_train.py                                   # SmolLM2-135M, all heads, 256..2048, CPU
     python scripts/bench_train.py --heads eagle3 --lengths 512 2048 --device cuda --dtype bf16
@@ -13,6 +13,7 @@ checked to grow no worse than linearly with the sequence length.
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +21,6 @@ from pathlib import Path
 import bench_common as bc
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file, save_file
 
 from heads.base import build_head, compute_features
 
@@ -96,22 +96,26 @@ def head_options(kind: str) -> dict:
     return OmegaConf.to_container(cfg.options, resolve=True)
 
 
-def time_features(target, batch, layers, args, tmp: Path):
-    """-> (online s, offline s, online peak bytes, offline peak bytes, features)."""
-    fn = lambda: compute_features(target.model, batch["input_ids"], batch["attention_mask"], layers)  # noqa: E731
-    feats = fn()  # warm-up
+def time_features(target, batch, layers, args, cache_dir: Path):
+    """-> (online s, offline s, online peak bytes, offline peak bytes, features). Offline reads the batch
+    back through the training pipeline's hidden-state cache (train.data.hidden_cache), built here first."""
+    from datasets import Dataset
+
+    from train.data.hidden_cache import OfflineFeatureSource, build_cache
+
+    def online_fn():
+        return compute_features(target.model, batch["input_ids"], batch["attention_mask"], layers)
+
+    online_fn()  # warm-up
     with PeakMemory(args.device) as online_mem:
-        online = _timed(fn, args)
-    path = tmp / "features.safetensors"
-    save_file({str(k): v.contiguous().cpu() for k, v in feats.hidden_states.items()}, str(path))
-
-    def read():
-        stored = load_file(str(path), device=str(args.device))
-        return {int(k): v for k, v in stored.items()}
-
-    read()
+        online = _timed(online_fn, args)
+    rows = Dataset.from_dict({k: batch[k].tolist() for k in ("input_ids", "loss_mask")})
+    build_cache(cache_dir, target, [rows], layers, progress=False)
+    offline_fn = OfflineFeatureSource(cache_dir, target, layers, validate_samples=0)
+    feats = offline_fn(batch)  # warm-up (opens the shard, verifies its checksum)
     with PeakMemory(args.device) as offline_mem:
-        offline = _timed(read, args)
+        offline = _timed(lambda: offline_fn(batch), args)
+    shutil.rmtree(cache_dir)
     return online, offline, online_mem.peak, offline_mem.peak, feats
 
 
@@ -158,7 +162,8 @@ def main(argv=None) -> None:
             per_token = []
             for length in args.lengths:
                 batch = make_batch(target, length, args.batch, args.device)
-                t_on, t_off, m_on, m_off, feats = time_features(target, batch, head.feature_layers(), args, Path(tmp))
+                t_on, t_off, m_on, m_off, feats = time_features(target, batch, head.feature_layers(), args,
+                                                                 Path(tmp) / f"{kind}-{length}")
                 t_head, m_head = time_head(head, batch, feats, args)
                 tokens = length * args.batch
                 per_token.append(t_head / tokens)
@@ -171,7 +176,8 @@ def main(argv=None) -> None:
             growth[kind] = per_token[-1] / per_token[0]
             del head
     bc.print_table(rows, "\n(head = the head's own forward + backward + AdamW step; features: online = target "
-                         "forward, offline = read from disk; MiB = peak memory of that part above the level before it)")
+                         "forward, offline = read from the hidden-state cache; MiB = peak memory of that part "
+                         "above the level before it)")
     lo, hi = args.lengths[0], args.lengths[-1]
     for kind, g in growth.items():
         verdict = "no worse than linear" if g <= LINEAR_SLACK else "WORSE than linear"
