@@ -138,8 +138,9 @@ class DraftModelProposer:
             self.first = None
         width = tokens.shape[1]
         causal = torch.ones(width, width, dtype=torch.bool).tril()[None]
-        logits = self._forward(tokens, num_valid, causal, self.cache.lengths[:, None] + torch.arange(width),
-                               keep=(num_valid - 1)[:, None])
+        start = self.cache.lengths.clone()
+        logits = self._forward(tokens, num_valid, causal, start[:, None] + torch.arange(width),
+                               keep=(num_valid - 1)[:, None], block_start=start, ragged=True)
         self.committed = self.cache.lengths.clone()
         self.round_anc = None
         return logits[:, 0], torch.zeros(tokens.shape[0], 1, device=self.device)  # no hidden state to carry
@@ -149,7 +150,8 @@ class DraftModelProposer:
         new_anc = self._ancestors_of_new(parents)  # [B, n, M]
         anc = torch.cat([new_anc, torch.eye(n, dtype=torch.bool).expand(B, n, n)], 2)  # [B, n, M + n]
         pos = (self.committed - 1 + depth)[:, None].expand(B, n)  # the root x_m sits at committed - 1
-        logits = self._forward(tokens, torch.full((B,), n), anc, pos, keep=0)
+        logits = self._forward(tokens, torch.full((B,), n), anc, pos, keep=0, block_start=self.committed,
+                               ragged=False)
         self._grow(new_anc)
         return logits, parent_hidden
 
@@ -157,11 +159,11 @@ class DraftModelProposer:
         self.cache.truncate(self.committed)
         self.round_anc = None
 
-    def _forward(self, tokens, num_new, anc, pos, keep):
+    def _forward(self, tokens, num_new, anc, pos, keep, block_start, ragged):
+        """Append tokens [B, n] (num_new per row) and run them; `anc` [B, n, T] relates them to the block
+        of T tokens stored from block_start (begin: the new tokens themselves; expand: this round's tree)."""
         plan = self.cache.prepare(num_new, tokens.shape[1])
-        start = self.committed if anc.shape[-1] > anc.shape[-2] else plan.start  # expand: tree block from committed
-        mask = attention_mask(start, anc, plan.read_len, self.dtype,
-                              None if anc.shape[-1] > anc.shape[-2] else num_new)
+        mask = attention_mask(block_start, anc, plan.read_len, self.dtype, num_new if ragged else None)
         out = self.model(input_ids=tokens.to(self.device), position_ids=pos.to(self.device),
                          attention_mask=mask.to(self.device), cache=self.cache, use_cache=True, logits_to_keep=keep)
         return out.logits.float()
@@ -450,7 +452,8 @@ POLICIES = {"chain": Chain, "static": StaticTree, "dynamic": DynamicTree}
 def build_drafter(kind: str, target=None, *, head: DraftHead | None = None, draft_model=None,
                   policy: str | None = None, **options) -> Drafter:
     """kind: "prompt_lookup" | "draft_model" | "head". Options go to the policy (chain: gamma, sample;
-    static: choices; dynamic: total_tokens, depth, top_k) or to PromptLookup (gamma, max_ngram,
+    static: choices, or accuracies (per-depth acceptance, e.g. an eval.json's acceptance_by_depth) +
+    total_nodes + top_k; dynamic: total_tokens, depth, top_k) or to PromptLookup (gamma, max_ngram,
     min_ngram). A head's default policy is a dynamic tree (a chain for heads limited to few depths is
     also fine: the depth is capped by head.max_draft_depth); a draft model's default is a chain."""
     if kind == "prompt_lookup":
@@ -474,6 +477,8 @@ def _policy(name: str, options: dict):
     if name not in POLICIES:
         raise HeadError(f"unknown tree policy {name!r}: choose one of {sorted(POLICIES)}")
     try:
+        if name == "static" and "accuracies" in options:  # derive the tree from measured accuracies
+            return StaticTree.from_accuracies(**options)
         return POLICIES[name](**options)
     except TypeError as exc:
         raise HeadError(f"bad options {sorted(options)} for the {name} policy: {exc}") from exc

@@ -133,13 +133,16 @@ class SpeculativeEngine:
 
     def __init__(self, target, drafter=None, *, block_size: int = 16, budget: TreeBudget | str = "auto",
                  eos_token_id: int | list[int] | None = None):
-        """budget: a TreeBudget, or "auto" = this target's cached T(N) curve if `python -m infer.calibrate`
-        measured one on this machine, else the static batch-size throttle (see infer/calibrate.py)."""
+        """budget: a TreeBudget, or "auto" = this target's T(N) curve on this machine, cached on disk by
+        `python -m infer.calibrate` or measured (a few seconds, once) the first time a drafter runs;
+        "static" = the seed's batch-size throttle only (see infer/calibrate.py)."""
         self.model = target.model if hasattr(target, "model") else target
         self.tokenizer = getattr(target, "tokenizer", None)
         self.drafter = drafter
         self.block_size = block_size
-        self.budget = TreeBudget.for_target(target) if budget == "auto" else budget
+        if budget not in ("auto", "static") and not isinstance(budget, TreeBudget):
+            raise EngineError(f"budget must be a TreeBudget, 'auto' or 'static', got {budget!r}")
+        self.target, self._budget = target, budget
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.num_layers = self.model.config.num_hidden_layers
@@ -173,6 +176,14 @@ class SpeculativeEngine:
         if limit and longest > limit:
             raise CacheFullError(f"prompt + max_new_tokens = {longest} tokens exceeds the target's "
                                  f"max_position_embeddings {limit}: shorten the prompt or max_new_tokens")
+
+    @property
+    def budget(self) -> TreeBudget:
+        if self._budget == "auto":
+            self._budget = TreeBudget.for_target(self.target, measure=hasattr(self.target, "spec"))
+        elif self._budget == "static":
+            self._budget = TreeBudget()
+        return self._budget
 
     # ------------------------------------------------------------------------------ target forward
     def forward(self, cache: PagedKVCache, tokens: Tensor, num_new: Tensor, anc: Tensor, pos: Tensor,

@@ -197,3 +197,10 @@ def test_rows_accepting_different_amounts_and_a_finished_row_riding_along(target
     out = SpeculativeEngine(target, drafter, eos_token_id=eos, budget=TreeBudget()).generate(prompts, max_new_tokens=60)
     assert out.tokens == plain  # and no CacheFullError from the finished row
     assert out.stats.accepted_at_depth[0] > 0  # row 0 accepted its drafts
+
+
+def test_static_tree_from_measured_accuracies_is_lossless(target, prompts, plain):
+    head = build_head("medusa", target)
+    drafter = build_drafter("head", target, head=head, policy="static", accuracies=[0.6, 0.4, 0.3], total_nodes=8)
+    assert len(drafter.policy.choices) == 7
+    assert speculate(target, prompts, drafter).tokens == plain
