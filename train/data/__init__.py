@@ -9,6 +9,10 @@ Public API (used by train/ and infer/):
   make_feature_source(cfg, target, layers, with_logits) -> callable(batch) -> TargetFeatures
   load_prompt_set(name_or_path)              -> [{id, category, prompt}] held-out eval prompts
                                              (names: mt-bench, humaneval)
+
+Modules: conversations (rendering + loss mask), build (datasets), batching (collate, counts), features
+(online/offline source), hidden_cache (offline cache), regenerate (self-distillation), default_set
+(data=default), stdlib_prompts, prompt_sets. Scripts: scripts/prepare_data.py, scripts/cache_hidden_states.py.
 """
 
 from train.data.batching import collate_fn, token_counts

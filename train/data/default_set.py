@@ -47,7 +47,7 @@ def default_dataset_path(regen: RegenConfig, prompts: list[dict]) -> Path:
     return cache_root() / "data" / f"default-{regen.target_name}-{digest}.jsonl"
 
 
-def ensure_default_dataset(regen: RegenConfig) -> Path:
+def ensure_default_dataset(regen: RegenConfig, device: str = "cpu") -> Path:
     """Path of the complete default dataset, regenerating it with the target first if needed."""
     prompts = default_prompts(regen.num_prompts)
     final = default_dataset_path(regen, prompts)
@@ -57,11 +57,11 @@ def ensure_default_dataset(regen: RegenConfig) -> Path:
     with open(final.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another job building the same set: wait, then reuse its file
         if not final.is_file():
-            build_default_dataset(regen, prompts, final)
+            build_default_dataset(regen, prompts, final, device)
     return final
 
 
-def build_default_dataset(regen: RegenConfig, prompts: list[dict], final: Path) -> dict:
+def build_default_dataset(regen: RegenConfig, prompts: list[dict], final: Path, device: str = "cpu") -> dict:
     from heads.target import load_target
 
     partial = final.with_name(final.name + ".partial")
@@ -69,11 +69,17 @@ def build_default_dataset(regen: RegenConfig, prompts: list[dict], final: Path) 
              len(prompts), regen.target_name, final)
     rows, _ = prompt_rows(prompts)
     started = time.perf_counter()
-    target = load_target({"path": regen.target, "name": regen.target_name})
+    target = load_target({"path": regen.target, "name": regen.target_name}, device=device)
     stats = regenerate(rows, target, partial, settings_of(regen))
     if done_ids(partial) != {r["id"] for r in rows}:
         raise DataError(f"default dataset build incomplete in {partial}: run again to resume")
+    stats.update(conversations=len(rows), seconds=round(time.perf_counter() - started, 1),
+                 target=regen.target_name, settings=asdict(settings_of(regen)))
+    report_path(final).write_text(json.dumps(stats, indent=1) + "\n")  # how it was built, read by reports
     os.replace(partial, final)
-    stats["seconds"] = round(time.perf_counter() - started, 1)
     log.info("default dataset ready: %s (%s)", final, stats)
     return stats
+
+
+def report_path(final: Path) -> Path:
+    return final.with_name(final.name + ".report.json")

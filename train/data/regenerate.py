@@ -75,8 +75,9 @@ def _drop_torn_tail(path: Path) -> None:
 
 @torch.no_grad()
 def generate_replies(target, conversations: list[list[dict]], settings: GenerationSettings,
-                     seed: int) -> list[tuple[str, bool]]:
-    """One reply per conversation (each ends with a user turn) -> [(text, finished before the limit)]."""
+                     seed: int) -> list[tuple[str, bool, int]]:
+    """One reply per conversation (each ends with a user turn) -> [(text, finished before the limit,
+    tokens generated incl. the end-of-turn token)]."""
     tok, model = target.tokenizer, target.model
     texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
     side, tok.padding_side = tok.padding_side, "left"
@@ -92,15 +93,17 @@ def generate_replies(target, conversations: list[list[dict]], settings: Generati
         out = model.generate(**enc, max_new_tokens=settings.max_new_tokens, eos_token_id=stop_ids,
                              pad_token_id=tok.pad_token_id, **sampling)
     new = out[:, enc["input_ids"].shape[1]:]  # [B, <=max_new_tokens]
-    finished = torch.isin(new, torch.tensor(stop_ids, device=new.device)).any(1)  # [B]
+    is_stop = torch.isin(new, torch.tensor(stop_ids, device=new.device))  # [B, n]
+    finished = is_stop.any(1)  # [B]
+    lengths = torch.where(finished, is_stop.int().argmax(1) + 1, new.shape[1])  # [B]
     replies = tok.batch_decode(new, skip_special_tokens=True)
-    return [(r.strip(), bool(f)) for r, f in zip(replies, finished.tolist())]
+    return [(r.strip(), bool(f), int(n)) for r, f, n in zip(replies, finished.tolist(), lengths.tolist())]
 
 
 def regenerate(rows: list[dict], target, out_path: Path, settings: GenerationSettings,
                progress: bool = True) -> dict:
     """Answer every user turn of `rows` (from prompt_rows) with the target; append finished conversations
-    to out_path. Returns counts: {"written", "resumed", "unfinished_turns"}."""
+    to out_path. Returns counts: {"written", "resumed", "unfinished_turns", "generated_tokens"}."""
     from tqdm.auto import tqdm
 
     out_path = Path(out_path)
@@ -110,14 +113,15 @@ def regenerate(rows: list[dict], target, out_path: Path, settings: GenerationSet
     todo = sorted((r for r in rows if r["id"] not in done), key=lambda r: len(r["turns"][-1]["content"]))
     provenance = {"target": target.spec.name, "target_path": target.spec.path, "regen_version": REGEN_VERSION,
                   **{k: v for k, v in asdict(settings).items() if k != "batch_size"}}
-    stats = {"written": 0, "resumed": len(rows) - len(todo), "unfinished_turns": 0}
+    stats = {"written": 0, "resumed": len(rows) - len(todo), "unfinished_turns": 0, "generated_tokens": 0}
     bar = tqdm(total=len(rows), initial=stats["resumed"], desc="regenerating", unit="conv", disable=not progress)
     with open(out_path, "a") as sink:
         for start in range(0, len(todo), settings.batch_size):
             chunk = todo[start:start + settings.batch_size]
             seed = settings.seed * 1_000_003 + zlib.crc32("|".join(r["id"] for r in chunk).encode())
-            for row, (messages, finished) in zip(chunk, _replay(target, chunk, settings, seed)):
+            for row, (messages, finished, n_tokens) in zip(chunk, _replay(target, chunk, settings, seed)):
                 stats["unfinished_turns"] += finished.count(False)
+                stats["generated_tokens"] += n_tokens
                 sink.write(json.dumps(_output_row(row, messages, finished, provenance), ensure_ascii=False) + "\n")
                 stats["written"] += 1
             sink.flush()
@@ -131,6 +135,7 @@ def _replay(target, chunk: list[dict], settings: GenerationSettings, seed: int):
     """Round r answers the r-th user turn of every conversation that has one, given earlier answers."""
     history = [[] for _ in chunk]
     finished = [[] for _ in chunk]
+    n_tokens = [0 for _ in chunk]
     pending = [list(r["turns"]) for r in chunk]
     for rnd in range(max(sum(m["role"] == "user" for m in r["turns"]) for r in chunk)):
         active = []
@@ -141,10 +146,11 @@ def _replay(target, chunk: list[dict], settings: GenerationSettings, seed: int):
                 history[i].append(turns.pop(0))
                 active.append(i)
         replies = generate_replies(target, [history[i] for i in active], settings, seed + rnd)
-        for i, (text, done) in zip(active, replies):
+        for i, (text, done, n) in zip(active, replies):
             history[i].append({"role": "assistant", "content": text})
             finished[i].append(done)
-    return list(zip(history, finished))
+            n_tokens[i] += n
+    return list(zip(history, finished, n_tokens))
 
 
 def _output_row(row: dict, messages: list[dict], finished: list[bool], provenance: dict) -> dict:

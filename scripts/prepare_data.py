@@ -1,0 +1,110 @@
+"""Self-distillation: regenerate a dataset's assistant turns with the frozen target.
+
+    python scripts/prepare_data.py                                  # build the embedded default (data=default)
+    python scripts/prepare_data.py input=conv.jsonl output=distilled.jsonl generation.temperature=0.7
+    python scripts/prepare_data.py input=HuggingFaceH4/ultrachat_200k split=train_sft \
+        max_conversations=20000 output=ultrachat-distilled.jsonl target=llama-3.1-8b-instruct
+
+`input` holds prompts ({"prompt"} rows) or conversations (messages / ShareGPT); every user turn is answered
+by the target. The output is a messages-format JSONL (train on it with data.source=<output>) with the
+prompt, the response and provenance (target, sampling settings). Killed? Run the same command again: it
+keeps what was written and continues.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import hydra  # noqa: E402
+from hydra.core.config_store import ConfigStore  # noqa: E402
+from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: E402
+
+from heads.target import TargetError, TargetSpec, load_target  # noqa: E402
+from train.data.config import DataConfig, DataError, RegenConfig  # noqa: E402
+from train.data.regenerate import GenerationSettings, prompt_rows, regenerate  # noqa: E402
+
+
+@dataclass
+class PrepareConfig:
+    input: str = "builtin:default"  # builtin:default (the default prompt set) | local file/dir | hub dataset
+    subset: Optional[str] = None  # hub dataset config name
+    data_files: Optional[str] = None
+    split: str = "train"
+    format: str = "auto"  # auto | messages | sharegpt (prompt rows {"prompt"} are always understood)
+    max_conversations: Optional[int] = None  # the first N rows of the input
+    output: Optional[str] = None  # JSONL to write; null with input=builtin:default: data=default's cache file
+    device: str = "auto"  # auto (GPU when present) | cpu
+    target: TargetSpec = MISSING
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+
+
+ConfigStore.instance().store(name="prepare_data_schema", node=PrepareConfig)
+
+
+def load_input(cfg: PrepareConfig) -> list[dict]:
+    if cfg.input == "builtin:default":
+        from train.data.default_set import default_prompts
+
+        return default_prompts(cfg.max_conversations)
+    from train.data.build import load_raw
+
+    raw = load_raw(DataConfig(source=cfg.input, subset=cfg.subset, data_files=cfg.data_files,
+                              split=cfg.split), cfg.input)
+    if cfg.max_conversations:
+        raw = raw.select(range(min(cfg.max_conversations, len(raw))))
+    return list(raw)
+
+
+def prepare(cfg: PrepareConfig) -> dict:
+    """Regenerate and return a report: counts, tokens and seconds."""
+    import torch
+
+    g = cfg.generation
+    if g.max_new_tokens < 1 or g.batch_size < 1:
+        raise DataError("generation.max_new_tokens and generation.batch_size must be >= 1")
+    device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else \
+        ("cpu" if cfg.device == "auto" else cfg.device)
+    started = time.perf_counter()
+    if cfg.input == "builtin:default" and not cfg.output:  # exactly what data=default builds on first use
+        from train.data.default_set import ensure_default_dataset, report_path
+
+        regen = RegenConfig(target=cfg.target.path, target_name=cfg.target.name, num_prompts=cfg.max_conversations,
+                            max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                            batch_size=g.batch_size, seed=g.seed)
+        final = ensure_default_dataset(regen, device=device)
+        report = dict(json.loads(report_path(final).read_text()), output=str(final))
+    else:
+        if not cfg.output:
+            raise DataError(f"output=<file.jsonl> is required when input={cfg.input!r}")
+        rows, skipped = prompt_rows(load_input(cfg), cfg.format)
+        if not rows:
+            raise DataError(f"input {cfg.input!r} has no usable prompt (skipped: {skipped})")
+        target = load_target(cfg.target, device=device)
+        final = Path(cfg.output).expanduser()
+        report = dict(regenerate(rows, target, final, g), output=str(final), skipped=skipped)
+    report["wall_seconds"] = round(time.perf_counter() - started, 1)
+    return report
+
+
+@hydra.main(config_path="../conf", config_name="prepare_data", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    schema: PrepareConfig = OmegaConf.to_object(cfg)
+    try:
+        report = prepare(schema)
+    except (DataError, TargetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Self-distillation: the target answers every user turn; runs resume after a kill."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from heads.target import load_target
+from train.data.regenerate import GenerationSettings, done_ids, prompt_rows, regenerate
+
+PROMPTS = [{"id": f"p{i}", "category": "qa", "prompt": f"Question number {i}?" + "!" * i} for i in range(5)]
+MULTI_TURN = {"id": "mt", "conversations": [
+    {"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+    {"from": "gpt", "value": "old answer"}, {"from": "human", "value": "Again"}, {"from": "gpt", "value": "old"}]}
+SETTINGS = GenerationSettings(max_new_tokens=6, temperature=0.0, batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return load_target({"path": "tiny-random", "name": "tiny-random"})
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_regenerate_answers_every_user_turn(tiny_target, tmp_path):
+    rows, skipped = prompt_rows(PROMPTS + [MULTI_TURN, {"id": "bad", "messages": [{"role": "user"}]}])
+    assert skipped == {"missing_field": 1}
+    stats = regenerate(rows, tiny_target, tmp_path / "out.jsonl", SETTINGS, progress=False)
+    out = {r["id"]: r for r in read(tmp_path / "out.jsonl")}
+    assert stats["written"] == 6 and set(out) == {r["id"] for r in rows}
+    mt = out["mt"]["messages"]
+    assert [m["role"] for m in mt] == ["system", "user", "assistant", "user", "assistant"]
+    assert "old" not in (mt[2]["content"], mt[4]["content"])  # regenerated, not copied
+    row = out["p3"]
+    assert row["prompt"] == PROMPTS[3]["prompt"] and row["messages"][-1]["content"] == row["response"]
+    assert row["provenance"]["target"] == "tiny-random" and row["provenance"]["max_new_tokens"] == 6
+    assert row["category"] == "qa" and stats["generated_tokens"] > 0
+
+
+def test_regenerate_resumes_after_a_kill(tiny_target, tmp_path):
+    rows, _ = prompt_rows(PROMPTS)
+    whole = tmp_path / "whole.jsonl"
+    regenerate(rows, tiny_target, whole, SETTINGS, progress=False)
+    # a run killed mid-write: two complete rows and a torn third line
+    lines = whole.read_text().splitlines(keepends=True)
+    killed = tmp_path / "killed.jsonl"
+    killed.write_text(lines[0] + lines[1] + lines[2][:15])
+    stats = regenerate(rows, tiny_target, killed, SETTINGS, progress=False)
+    assert stats["resumed"] == 2 and stats["written"] == 3
+    got = read(killed)
+    assert sorted(r["id"] for r in got) == sorted(r["id"] for r in rows)  # each conversation exactly once
+    assert done_ids(killed) == done_ids(whole)
+    assert regenerate(rows, tiny_target, killed, SETTINGS, progress=False)["written"] == 0
+
+
+def test_prepare_data_cli(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:3]))
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "scripts/prepare_data.py", "target=tiny-random", f"input={src}", f"output={out}",
+           "generation.max_new_tokens=4", "generation.batch_size=2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(read(out)) == 3 and json.loads(done.stdout[done.stdout.index("{"):])["written"] == 3
+    bad = subprocess.run(cmd[:3] + [f"input={tmp_path / 'missing.jsonl'}", f"output={out}"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr.strip().splitlines()[-1]

@@ -1,0 +1,313 @@
+"""Offline hidden-state cache: run the frozen target once, read its features back every epoch.
+
+Layout of a cache directory:
+  index.json                 target spec and shape, cached hidden-state indices, dtype, shards with
+                             sha256 and byte size, and `entries`: example key -> [shard, row]
+  shard-00000.safetensors    "input_ids" int32 [N], "offsets" int64 [n+1], "hidden.<i>" [N, h] per
+                             cached hidden-state index i (rows concatenated along tokens)
+
+An example's key is a hash of its token ids, so a batch finds its rows whatever the shuffling, split or
+rank. Logits are not stored: the target's logits are its frozen LM head applied to the final-normed last
+hidden state, which is cached, so they are recomputed exactly (storing [T, V] would cost V/h times more:
+85x for SmolLM2).
+
+Safety: the index names the target (spec, hidden size, layer count); opening checks it, the requested
+layers, the shard sizes; each shard's sha256 is verified the first time it is read; and a sample of
+entries is recomputed with the target and compared. A mismatch is a HiddenCacheError, never a silent
+wrong feature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from heads.base import TargetFeatures, compute_features
+from heads.formats.common import file_sha256
+from train.data.batching import collate_fn
+from train.data.config import DataError
+
+INDEX = "index.json"
+CACHE_FORMAT = 1
+SPEC_KEYS = ("name", "path", "gguf_file", "revision", "seed", "tiny")  # what identifies the target's weights
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # recompute vs cache, relative L2
+
+
+class HiddenCacheError(DataError):
+    """A cache that does not match the target, the layers or itself; the message says how to fix it."""
+
+
+def row_key(ids) -> str:
+    """Identity of one example: hash of its token ids (int32)."""
+    ids = torch.as_tensor(ids, dtype=torch.int32).cpu()
+    return hashlib.sha1(ids.numpy().tobytes()).hexdigest()[:24]
+
+
+def batch_keys(input_ids: Tensor, attention_mask: Tensor) -> list[str]:
+    """Keys of the rows of a right-padded batch [B, T]."""
+    lengths = attention_mask.sum(1).tolist()
+    return [row_key(input_ids[b, :n]) for b, n in enumerate(lengths)]
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj) + "\n")
+    os.replace(tmp, path)
+
+
+def _spec_identity(spec: dict) -> dict:
+    return {k: spec.get(k) for k in SPEC_KEYS}
+
+
+# ------------------------------------------------------------------------------------------ writer
+
+class CacheWriter:
+    """Appends shards to a cache directory; a killed run loses at most the unflushed shard."""
+
+    def __init__(self, directory, target, layers: list[int], dtype: torch.dtype, shard_tokens: int, meta: dict):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dtype, self.shard_tokens = dtype, shard_tokens
+        cfg = target.config
+        fresh = {"format": CACHE_FORMAT, "target": target.spec.to_dict(), "num_layers": cfg.num_hidden_layers,
+                 "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                 "layers": sorted(set(layers) | {cfg.num_hidden_layers}),
+                 "dtype": str(dtype).removeprefix("torch."), "meta": meta, "shards": [], "entries": {}}
+        self.index = fresh
+        if (self.dir / INDEX).is_file():
+            self.index = read_index(self.dir)
+            same = {k: self.index[k] for k in ("num_layers", "hidden_size", "layers", "dtype")} == \
+                {k: fresh[k] for k in ("num_layers", "hidden_size", "layers", "dtype")} and \
+                _spec_identity(self.index["target"]) == _spec_identity(fresh["target"])
+            if not same:
+                raise HiddenCacheError(f"{self.dir} holds a cache for another target, layers or dtype "
+                                       f"({self.index['target']['name']}, layers {self.index['layers']}, "
+                                       f"{self.index['dtype']}): use a new directory or delete it")
+        self.layers = self.index["layers"]
+        self.pending: list[tuple[str, Tensor, dict[int, Tensor]]] = []
+        self.pending_tokens = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.index["entries"]
+
+    def add(self, key: str, ids: Tensor, hidden: dict[int, Tensor]) -> None:
+        """ids [T]; hidden[i] [T, h] for every cached index i."""
+        self.pending.append((key, ids.to(torch.int32).cpu(), {i: hidden[i].to(self.dtype).cpu() for i in self.layers}))
+        self.pending_tokens += len(ids)
+        if self.pending_tokens >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the pending examples as one shard (temp file, rename), then the index (same)."""
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        n = len(self.index["shards"])
+        name = f"shard-{n:05d}.safetensors"
+        lengths = torch.tensor([len(ids) for _, ids, _ in self.pending])
+        tensors = {"input_ids": torch.cat([ids for _, ids, _ in self.pending]),
+                   "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])}
+        for i in self.layers:
+            tensors[f"hidden.{i}"] = torch.cat([h[i] for _, _, h in self.pending])  # [N, h]
+        tmp = self.dir / f".{name}.tmp"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, self.dir / name)
+        self.index["shards"].append({"file": name, "sha256": file_sha256(self.dir / name),
+                                     "bytes": (self.dir / name).stat().st_size, "entries": len(self.pending),
+                                     "tokens": int(lengths.sum())})
+        for row, (key, _, _) in enumerate(self.pending):
+            self.index["entries"][key] = [n, row]
+        _write_json_atomic(self.dir / INDEX, self.index)
+        self.pending, self.pending_tokens = [], 0
+
+
+def build_cache(directory, target, datasets, layers: list[int], dtype: torch.dtype | None = None,
+                batch_size: int = 8, shard_tokens: int = 1 << 18, meta: dict | None = None,
+                progress: bool = True) -> dict:
+    """Run the target over every example of `datasets` (tokenised, items with input_ids/loss_mask) not yet
+    cached and store its hidden states. Returns {"entries", "new_entries", "tokens", "bytes",
+    "bytes_per_token", "seconds", "tokens_per_s"}."""
+    from tqdm.auto import tqdm
+
+    model = target.model
+    dtype = dtype or next(model.parameters()).dtype
+    writer = CacheWriter(directory, target, layers, dtype, shard_tokens, meta or {})
+    todo = _uncached(datasets, writer)  # (length, key, dataset, row), shortest first: little padding
+    collate = collate_fn(target.tokenizer.pad_token_id or 0)
+    device = next(model.parameters()).device
+    started, new_tokens = time.perf_counter(), 0
+    bar = tqdm(total=sum(n for n, *_ in todo), desc="caching hidden states", unit="tok", disable=not progress)
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start:start + batch_size]
+        items = [datasets[d][r] for _, _, d, r in chunk]
+        batch = collate(items)
+        feats = compute_features(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
+                                 writer.layers)
+        for b, ((n, key, _, _), item) in enumerate(zip(chunk, items)):
+            writer.add(key, torch.tensor(item["input_ids"]), {i: feats.hidden_states[i][b, :n] for i in writer.layers})
+            new_tokens += n
+        bar.update(sum(n for n, *_ in chunk))
+    writer.flush()
+    bar.close()
+    seconds = time.perf_counter() - started
+    index = writer.index
+    tokens = sum(s["tokens"] for s in index["shards"])
+    size = sum(s["bytes"] for s in index["shards"])
+    return {"entries": len(index["entries"]), "new_entries": len(todo), "tokens": tokens, "bytes": size,
+            "bytes_per_token": round(size / max(tokens, 1), 1), "seconds": round(seconds, 2),
+            "tokens_per_s": round(new_tokens / seconds, 1) if todo else None}
+
+
+def _uncached(datasets, writer: CacheWriter) -> list[tuple[int, str, int, int]]:
+    """Examples not in the cache yet, each once, streamed (a big dataset never sits in memory)."""
+    todo, seen = [], set()
+    for d, ds in enumerate(datasets):
+        row = 0
+        for batch in ds.select_columns(["input_ids"]).iter(batch_size=1024):
+            for ids in batch["input_ids"]:
+                key = row_key(ids)
+                if key not in seen and key not in writer:
+                    seen.add(key)
+                    todo.append((len(ids), key, d, row))
+                row += 1
+    return sorted(todo)
+
+
+# ------------------------------------------------------------------------------------------ reader
+
+def read_index(directory) -> dict:
+    path = Path(directory) / INDEX
+    if not path.is_file():
+        raise HiddenCacheError(f"no hidden-state cache in {directory} (missing {INDEX}): build it with "
+                               f"scripts/cache_hidden_states.py --out {directory} <training overrides>")
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise HiddenCacheError(f"{path} is corrupted ({exc.msg}): rebuild the cache") from None
+    if index.get("format") != CACHE_FORMAT:
+        raise HiddenCacheError(f"{path} has cache format {index.get('format')}, expected {CACHE_FORMAT}: rebuild it")
+    return index
+
+
+class HiddenStateCache:
+    """Read access to a cache directory, checked against the target and the layers asked for."""
+
+    def __init__(self, directory, target, layers: list[int]):
+        self.dir = Path(directory)
+        self.index = read_index(self.dir)
+        self.dtype = DTYPES[self.index["dtype"]]
+        self._check_target(target, layers)
+        for shard in self.index["shards"]:
+            path = self.dir / shard["file"]
+            if not path.is_file() or path.stat().st_size != shard["bytes"]:
+                raise HiddenCacheError(f"{path} is missing or truncated: rebuild the cache "
+                                       f"(scripts/cache_hidden_states.py resumes from what is intact)")
+        self._open: dict[int, object] = {}
+
+    def _check_target(self, target, layers) -> None:
+        idx, cfg = self.index, target.config
+        spec = target.spec.to_dict()
+        if _spec_identity(idx["target"]) != _spec_identity(spec) or idx["hidden_size"] != cfg.hidden_size \
+                or idx["num_layers"] != cfg.num_hidden_layers:
+            raise HiddenCacheError(f"{self.dir} was built for target {idx['target']['name']!r} "
+                                   f"({idx['target']['path']}), not {spec['name']!r} ({spec['path']}): "
+                                   f"point data.hidden_cache at this target's cache or rebuild it")
+        self.layers = sorted(set(layers) | {cfg.num_hidden_layers})
+        missing = sorted(set(self.layers) - set(idx["layers"]))
+        if missing:
+            raise HiddenCacheError(f"{self.dir} caches hidden-state indices {idx['layers']}, but the head needs "
+                                   f"{missing} too: rebuild the cache for this head (scripts/cache_hidden_states.py "
+                                   f"head=<kind>)")
+
+    def __len__(self) -> int:
+        return len(self.index["entries"])
+
+    def keys(self) -> list[str]:
+        return list(self.index["entries"])
+
+    def _shard(self, n: int):
+        """The shard's lazy reader; its checksum is verified on first use."""
+        if n not in self._open:
+            from safetensors import SafetensorError, safe_open
+
+            shard = self.index["shards"][n]
+            path = self.dir / shard["file"]
+            if file_sha256(path) != shard["sha256"]:
+                raise HiddenCacheError(f"{path} is corrupted (checksum mismatch): delete it and its entries by "
+                                       f"rebuilding the cache into a new directory")
+            try:
+                self._open[n] = safe_open(str(path), framework="pt")
+            except SafetensorError as exc:
+                raise HiddenCacheError(f"{path} is unreadable ({exc}): rebuild the cache") from None
+        return self._open[n]
+
+    def entry(self, key: str) -> tuple[Tensor, dict[int, Tensor]]:
+        """-> (ids [T] int32, {i: [T, h]})"""
+        if key not in self.index["entries"]:
+            raise HiddenCacheError(f"an example is not in the hidden-state cache {self.dir}: it was built for "
+                                   f"other data or another max_length; rebuild it with the training overrides")
+        n, row = self.index["entries"][key]
+        reader = self._shard(n)
+        start, end = reader.get_slice("offsets")[row:row + 2].tolist()
+        ids = reader.get_slice("input_ids")[start:end]
+        return ids, {i: reader.get_slice(f"hidden.{i}")[start:end] for i in self.layers}
+
+    def features(self, input_ids: Tensor, attention_mask: Tensor, dtype: torch.dtype) -> TargetFeatures:
+        """The cached features of a right-padded batch [B, T] (zeros at padding)."""
+        B, T = input_ids.shape
+        h = self.index["hidden_size"]
+        hidden = {i: torch.zeros(B, T, h, dtype=dtype) for i in self.layers}
+        for b, key in enumerate(batch_keys(input_ids, attention_mask)):
+            ids, rows = self.entry(key)
+            for i in self.layers:
+                hidden[i][b, :len(ids)] = rows[i]
+        device = input_ids.device
+        return TargetFeatures({i: v.to(device) for i, v in hidden.items()}, self.index["num_layers"])
+
+    def validate(self, target, samples: int = 4, seed: int = 0) -> float:
+        """Recompute `samples` random entries with the target; -> the worst relative L2 error. Raises
+        HiddenCacheError above the dtype's tolerance (wrong weights, corrupted data)."""
+        keys = random.Random(seed).sample(self.keys(), min(samples, len(self)))
+        model = target.model
+        device = next(model.parameters()).device
+        worst = 0.0
+        for key in keys:
+            ids, cached = self.entry(key)
+            fresh = compute_features(model, ids.long()[None].to(device), None, self.layers)
+            for i in self.layers:
+                ref = fresh.hidden_states[i][0].float().cpu()
+                err = float((cached[i].float() - ref).norm() / ref.norm().clamp_min(1e-12))
+                worst = max(worst, err)
+        tol = REL_TOL[self.dtype]
+        if worst > tol:
+            raise HiddenCacheError(f"{self.dir}: cached hidden states differ from target {target.spec.name!r} "
+                                   f"(relative error {worst:.3g} > {tol:g}): the cache was built with other "
+                                   f"weights or is corrupted; rebuild it")
+        return worst
+
+
+class OfflineFeatureSource:
+    """callable(batch) -> TargetFeatures read from the cache (what make_feature_source returns offline)."""
+
+    def __init__(self, directory, target, layers: list[int], with_logits: bool = False, validate_samples: int = 2):
+        self.cache = HiddenStateCache(directory, target, layers)
+        self.cache.validate(target, validate_samples)
+        self.with_logits = with_logits
+        self.lm_head = target.model.get_output_embeddings()
+        self.dtype = next(target.model.parameters()).dtype
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> TargetFeatures:
+        feats = self.cache.features(batch["input_ids"], batch["attention_mask"], self.dtype)
+        if self.with_logits:  # the target's own logits: its LM head on the final-normed last hidden state
+            feats.logits = self.lm_head(feats.last_hidden).float()  # [B, T, V]
+        return feats
