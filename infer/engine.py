@@ -132,14 +132,17 @@ class SpeculativeEngine:
     """Generate with a frozen target, optionally drafting with `drafter` (see infer.drafters)."""
 
     def __init__(self, target, drafter=None, *, block_size: int = 16, budget: TreeBudget | str = "auto",
-                 eos_token_id: int | list[int] | None = None):
+                 eos_token_id: int | list[int] | None = None, max_cache_tokens: int | None = None):
         """budget: a TreeBudget, or "auto" = this target's T(N) curve on this machine, cached on disk by
         `python -m infer.calibrate` or measured (a few seconds, once) the first time a drafter runs;
-        "static" = the seed's batch-size throttle only (see infer/calibrate.py)."""
+        "static" = the seed's batch-size throttle only (see infer/calibrate.py).
+        max_cache_tokens: cap on the KV pool (all rows together); default: room for every row's worst case.
+        Past it generation stops with CacheFullError (the cache is never corrupted)."""
         self.model = target.model if hasattr(target, "model") else target
         self.tokenizer = getattr(target, "tokenizer", None)
         self.drafter = drafter
         self.block_size = block_size
+        self.max_cache_tokens = max_cache_tokens
         if budget not in ("auto", "static") and not isinstance(budget, TreeBudget):
             raise EngineError(f"budget must be a TreeBudget, 'auto' or 'static', got {budget!r}")
         self.target, self._budget = target, budget
@@ -222,9 +225,11 @@ class _Run:
         # that finished early rides along one token per step for at most max_new_tokens more steps
         ride_along = max_new_tokens if drafter and self.B > 1 else 0
         max_len = int(self.lens.max()) + max_new_tokens + ride_along + self.nodes + 1
+        cap = engine.max_cache_tokens
         self.cache = PagedKVCache.for_model(engine.model.config, batch_size=self.B, max_seq_len=max_len,
                                             block_size=engine.block_size, dtype=engine.dtype,
-                                            device=engine.device)
+                                            device=engine.device,
+                                            num_blocks=-(-cap // engine.block_size) if cap else None)
         self.out = torch.full((self.B, max_new_tokens + self.nodes + 1), -1, dtype=torch.long)
         self.count = torch.zeros(self.B, dtype=torch.long)  # tokens emitted so far per row
         self.done = torch.zeros(self.B, dtype=torch.bool)

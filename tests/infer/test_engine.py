@@ -59,6 +59,8 @@ def test_bad_requests_fail_clearly(target):
         engine.generate([[1, 2]], temperature=-1)
     with pytest.raises(EngineError, match="top_p"):
         engine.generate([[1, 2]], temperature=1, top_p=0)
+    with pytest.raises(CacheFullError, match="pool exhausted"):
+        SpeculativeEngine(target, max_cache_tokens=64, block_size=8).generate([[1] * 30, [2] * 30], max_new_tokens=20)
     limit = target.config.max_position_embeddings
     with pytest.raises(CacheFullError, match="max_position_embeddings"):
         engine.generate([[1] * limit], max_new_tokens=1)
