@@ -204,3 +204,28 @@ def test_static_tree_from_measured_accuracies_is_lossless(target, prompts, plain
     drafter = build_drafter("head", target, head=head, policy="static", accuracies=[0.6, 0.4, 0.3], total_nodes=8)
     assert len(drafter.policy.choices) == 7
     assert speculate(target, prompts, drafter).tokens == plain
+
+
+def test_a_briefly_trained_head_is_accepted_and_still_lossless(target):
+    """Medusa fitted for a few seconds on the target's own greedy continuations drafts them back."""
+    from heads.base import compute_features
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (6,), generator=gen).tolist() for _ in range(16)]
+    cont = SpeculativeEngine(target).generate(prompts, max_new_tokens=32, stop_on_eos=False).tokens
+    seqs = torch.tensor([p + c for p, c in zip(prompts, cont)])
+    torch.manual_seed(0)
+    head = build_head("medusa", target, num_heads=3)
+    feats = compute_features(target.model, seqs, None, head.feature_layers())
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    head.train()
+    for _ in range(100):
+        loss = head(seqs, torch.ones_like(seqs, dtype=torch.bool), feats).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    drafter = build_drafter("head", target, head=head.eval(), policy="dynamic", total_tokens=10, depth=3, top_k=3)
+    out = SpeculativeEngine(target, drafter, budget=TreeBudget()).generate(prompts[:4], max_new_tokens=32,
+                                                                          stop_on_eos=False)
+    assert out.tokens == cont[:4]
+    assert out.stats.tau > 2.5
