@@ -16,7 +16,7 @@ Without a curve the seed's static throttle applies (full trees for B <= 8, a qua
 beyond).
 
     python -m infer.calibrate target=smollm2-135m      # measure, cache on disk, print the curve
-The curve is cached in $HEADWAY_CACHE/calibration/<target>-<device>-<dtype>.json.
+The curve is cached in $HEADWAY_CACHE/calibration/<target>-<device>-<dtype>.json (device: cuda, or cpu<threads>).
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def curve_path(target) -> Path:
     device = next(model.parameters()).device
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     name = getattr(getattr(target, "spec", None), "name", None) or model.config.model_type
-    return cache_root() / "calibration" / f"{name}-{device.type}-{dtype}.json"
+    where = f"cpu{torch.get_num_threads()}" if device.type == "cpu" else device.type  # threads change T(N)
+    return cache_root() / "calibration" / f"{name}-{where}-{dtype}.json"
 
 
 def load_curve(target) -> dict[int, float] | None:

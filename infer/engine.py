@@ -19,8 +19,12 @@ API (what infer.evaluate and scripts build on)
 `generate(prompts, max_new_tokens, temperature=0, top_k=None, top_p=None, seed=None, stop_on_eos=True)`
 takes a batch of token-id lists of different lengths (rows are left-aligned with per-row lengths and
 masks). Temperature 0 is greedy: the speculative output then equals plain decoding token for token.
-Errors: EngineError (bad arguments, empty prompt), CacheFullError (prompt + max_new_tokens beyond what
-the cache was sized for; see `max_seq_len`).
+Errors: EngineError (bad arguments, empty prompt), CacheFullError (prompt + max_new_tokens beyond the
+target's max_position_embeddings, or a KV pool capped by `max_cache_tokens` running out).
+
+Constructor: SpeculativeEngine(target, drafter=None, *, block_size=16, budget="auto", eos_token_id=None,
+max_cache_tokens=None); `target` is a heads.target.Target (or a bare HF causal LM). Drafters keep state per
+generate() call, so one drafter object can serve many calls but not two engines at once.
 
 One decoding step (gpt-fast style, everything vectorised over the batch):
     plain:        cache.prepare(1) -> target(last token) -> warp -> sample
@@ -235,7 +239,8 @@ class _Run:
         self.done = torch.zeros(self.B, dtype=torch.bool)
         self.ones, self.chain1 = torch.ones(self.B, dtype=torch.long), causal_ancestors(1)
         self.stats = GenerationStats()
-        self.layers = sorted(set(drafter.feature_layers()) | {engine.num_layers}) if drafter else []
+        wanted = drafter.feature_layers() if drafter else []  # hidden states only for drafters that read them
+        self.layers = sorted(set(wanted) | {engine.num_layers}) if wanted else []
 
     def generate(self) -> GenerationOutput:
         t0 = time.perf_counter()
@@ -286,7 +291,7 @@ class _Run:
         start = self.cache.lengths
         pos = start[:, None] + depth  # [B, N]
         plan, out = self.e.forward(self.cache, tokens.clamp(min=0), torch.full((self.B,), n), anc, pos, 0,
-                                   hidden=True)
+                                   hidden=bool(self.layers))
         logits = out.logits.float()  # [B, N, V]
         dev = logits.device  # verify where the logits are; the cache's bookkeeping stays on the host
         if self.greedy:
