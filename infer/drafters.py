@@ -314,8 +314,9 @@ class DynamicTree:
         return self.total_tokens
 
     def build(self, proposer, root, logits, hidden, max_nodes, last_pos, sampling):
-        B, k = root.shape[0], min(self.top_k, logits.shape[-1])
-        depth_limit = min(self.depth, proposer.max_depth or self.depth)
+        # sized by the budget: a tree of max_nodes can use at most max_nodes - 1 levels or siblings
+        B, k = root.shape[0], min(self.top_k, logits.shape[-1], max_nodes - 1)
+        depth_limit = min(self.depth, proposer.max_depth or self.depth, max_nodes - 1)
         top = logits.float().log_softmax(-1).topk(k, -1)
         scores, toks = top.values.cpu(), top.indices.cpu()  # [B, k] the depth-1 level = first frontier
         cand_tok, cand_score, cand_parent = [toks], [scores], [torch.full((B, k), -1)]
