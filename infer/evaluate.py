@@ -108,10 +108,19 @@ def load_prompts(name_or_path: str, limit: int | None) -> list[dict]:
     hold a "prompt" and optionally a "category" (default "general")."""
     path = Path(name_or_path).expanduser()
     rows = read_prompt_file(path) if path.is_file() else builtin_prompts(name_or_path)
-    rows = rows[:limit]
+    rows = round_robin_by_category(rows)[:limit]
     if not rows:
         raise EvalError(f"prompt set {name_or_path!r} holds no prompts: give at least one line with a \"prompt\"")
     return rows
+
+
+def round_robin_by_category(rows: list[dict]) -> list[dict]:
+    """Interleave categories (file order kept within each) so `max_prompts=N` samples every category."""
+    by_category: dict[str, list[dict]] = {}
+    for row in rows:
+        by_category.setdefault(row["category"], []).append(row)
+    rank = {id(row): i for group in by_category.values() for i, row in enumerate(group)}
+    return sorted(rows, key=lambda row: rank[id(row)])  # stable: category order kept within a rank
 
 
 def builtin_prompts(name: str) -> list[dict]:

@@ -136,3 +136,12 @@ def test_cli_bad_input_exits_2_with_one_line(head_dir, prompts_file, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "temperature" in lines[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_max_prompts_samples_every_category():
+    from infer.evaluate import load_prompts
+
+    rows = load_prompts("mt-bench", 16)
+    categories = [r["category"] for r in rows]
+    assert len(set(categories)) >= 8  # the first 16 are not all "writing"
+    assert all(categories.count(c) <= 2 for c in set(categories))
