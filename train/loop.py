@@ -9,6 +9,8 @@ the head turns them into its loss.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import time
@@ -142,6 +144,28 @@ def shared_run_dir(accelerator: Accelerator, output_dir: str) -> Path:
     return run_dir
 
 
+def with_hidden_cache(data_cfg, accelerator: Accelerator, target, datasets, layers: list[int]):
+    """`data.hidden_states=offline` without `data.hidden_cache`: run the target once over the data into a
+    cache keyed by target, dtype and layers (reused by later runs; only missing rows are computed), so an
+    epoch after the first costs only the head's own compute."""
+    if data_cfg.hidden_states != "offline" or data_cfg.hidden_cache:
+        return data_cfg
+    from heads.target import cache_root
+    from train.data.hidden_cache import build_cache
+
+    dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
+    wanted = sorted(set(layers) | {target.num_layers})
+    spec = hashlib.sha256(json.dumps(target.spec.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
+    directory = cache_root() / "hidden" / f"{target.spec.name}-{spec}-{dtype}-L{'_'.join(map(str, wanted))}"
+    if accelerator.is_main_process:
+        stats = build_cache(directory, target, datasets, wanted)
+        log.info("hidden-state cache %s: %s", directory, stats)
+    accelerator.wait_for_everyone()
+    data_cfg = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))
+    data_cfg.hidden_cache = str(directory)
+    return data_cfg
+
+
 def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
     """Frozen target, data, head (seeing the data first), optimizer, loaders; then `prepare` the head side
     only: the target stays outside the wrapper, the optimizer and the checkpoints."""
@@ -152,7 +176,8 @@ def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
     set_seed(t.seed)  # the same head initialisation on every rank
     head = build_head(cfg.head.kind, target, **OmegaConf.to_container(cfg.head.options, resolve=True))
     head.init_from_data(token_counts(train_ds, target.config.vocab_size))
-    features = make_feature_source(cfg.data, target, head.feature_layers())
+    data_cfg = with_hidden_cache(cfg.data, accelerator, target, [train_ds, val_ds], head.feature_layers())
+    features = make_feature_source(data_cfg, target, head.feature_layers())
     optimizer = make_optimizer(head, cfg.optim)
     train_dl, val_dl = make_loaders(cfg, train_ds, val_ds, target.tokenizer.pad_token_id,
                                     accelerator.num_processes)

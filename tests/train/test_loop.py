@@ -112,3 +112,14 @@ def test_wandb_offline_writes_run_files(tmp_path, monkeypatch):
     train(cfg)
     runs = list((tmp_path / "wandb-dir" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_offline_hidden_states_without_a_cache_dir_build_one_and_train_like_online(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    online = train(compose_train("head=eagle3", "experiment=smoke", run_dir=tmp_path / "online"))
+    offline = train(compose_train("head=eagle3", "experiment=smoke", "data.hidden_states=offline",
+                                  run_dir=tmp_path / "offline"))
+    built = list((tmp_path / "cache" / "hidden").glob("tiny-random-*-float32-L1_2_3_4"))
+    assert len(built) == 1 and (built[0] / "index.json").is_file()
+    assert [r["loss"] for r in rows(offline, "train")] == pytest.approx([r["loss"] for r in rows(online, "train")],
+                                                                       rel=1e-4)

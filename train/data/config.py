@@ -42,7 +42,8 @@ class DataConfig:
     packing: bool = False  # pack short conversations into rows of up to max_length tokens
     num_proc: Optional[int] = None  # tokenisation worker processes (None: in-process)
     hidden_states: str = "online"  # online: target runs in the step | offline: read the hidden-state cache
-    hidden_cache: Optional[str] = None  # directory written by scripts/cache_hidden_states.py
+    hidden_cache: Optional[str] = None  # directory written by scripts/cache_hidden_states.py (offline +
+    # null: training builds one under $HEADWAY_CACHE/hidden/ on first use and reuses it)
     cache_dir: Optional[str] = None  # datasets' cache (None: HF_DATASETS_CACHE)
     regen: RegenConfig = field(default_factory=RegenConfig)  # builtin:default only
 
@@ -63,9 +64,6 @@ def check_data_config(cfg: DataConfig) -> None:
         raise DataError(f"data.val_size={cfg.val_size} must be >= 0")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise DataError(f"data.max_conversations={cfg.max_conversations} must be >= 1")
-    if cfg.hidden_states == "offline" and not cfg.hidden_cache:
-        raise DataError("data.hidden_states=offline needs data.hidden_cache=<dir> "
-                        "(build it with scripts/cache_hidden_states.py)")
 
 
 def as_data_config(cfg) -> DataConfig:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from heads.base import TargetFeatures, check_layer_ids, compute_features
-from train.data.config import as_data_config, check_data_config
+from train.data.config import DataError, as_data_config, check_data_config
 
 FeatureSource = Callable[[dict], TargetFeatures]
 
@@ -22,6 +22,9 @@ def make_feature_source(data_cfg, target, layers: list[int], with_logits: bool =
     model = getattr(target, "model", target)
     check_layer_ids(layers, model.config.num_hidden_layers)
     if cfg.hidden_states == "offline":
+        if not cfg.hidden_cache:
+            raise DataError("data.hidden_states=offline needs data.hidden_cache=<dir> "
+                            "(build it with scripts/cache_hidden_states.py)")
         from train.data.hidden_cache import OfflineFeatureSource
 
         return OfflineFeatureSource(cfg.hidden_cache, target, layers, with_logits)
