@@ -14,9 +14,10 @@ keeps what was written and continues.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -97,6 +98,7 @@ def prepare(cfg: PrepareConfig) -> dict:
 
 @hydra.main(config_path="../conf", config_name="prepare_data", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[%(asctime)s][%(name)s] %(message)s")
     schema: PrepareConfig = OmegaConf.to_object(cfg)
     try:
         report = prepare(schema)

@@ -171,7 +171,7 @@ def test_unknown_option_and_bad_values(tiny_tokenizer):
         build_datasets({"name": "x", "format": "alpaca"}, tiny_tokenizer, 64)
 
 
-@pytest.mark.parametrize("name", ["tiny", "default"])
+@pytest.mark.parametrize("name", ["tiny", "default", "sharegpt", "ultrachat", "local"])
 def test_data_yaml_matches_schema(name):
     from omegaconf import OmegaConf
 
@@ -179,3 +179,17 @@ def test_data_yaml_matches_schema(name):
     assert text.startswith("# ") and "train/main.py" in text.splitlines()[0]
     merged = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(f"conf/data/{name}.yaml"))
     assert OmegaConf.to_object(merged).name == name
+
+
+def test_row_rejected_by_the_chat_template_is_skipped(tmp_path):
+    from heads.target import CHATML_TEMPLATE, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()  # a strict template, like Mistral's: roles must alternate
+    tok.chat_template = ("{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]"
+                         "['role'] %}{{ raise_exception('roles must alternate') }}{% endif %}{% endfor %}"
+                         + CHATML_TEMPLATE)
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                          {"role": "assistant", "content": "c"}]},
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "c"}]}]
+    ds, _, stats = build(tok, tmp_path, write_jsonl(tmp_path / "strict.jsonl", rows))
+    assert len(ds) == 1 and stats.skipped == {"rejected_by_chat_template": 1}

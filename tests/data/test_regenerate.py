@@ -65,6 +65,23 @@ def test_prepare_data_cli(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(read(out)) == 3 and json.loads(done.stdout[done.stdout.index("{"):])["written"] == 3
-    bad = subprocess.run(cmd[:3] + [f"input={tmp_path / 'missing.jsonl'}", f"output={out}"],
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "does not exist" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_prepare_data_bad_input_is_a_clear_error(tmp_path):
+    import importlib.util
+
+    from heads.target import TargetSpec
+    from train.data import DataError
+
+    spec = importlib.util.spec_from_file_location("prepare_data", "scripts/prepare_data.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules["prepare_data"] = script  # dataclasses look their module up
+    spec.loader.exec_module(script)
+    cfg = script.PrepareConfig(input=str(tmp_path / "missing.jsonl"), output=str(tmp_path / "o.jsonl"),
+                               target=TargetSpec(name="tiny-random", path="tiny-random"))
+    with pytest.raises(DataError, match="does not exist"):
+        script.prepare(cfg)
+    cfg.input, cfg.output = str(tmp_path), None
+    with pytest.raises(DataError, match="output=<file.jsonl> is required"):
+        script.prepare(cfg)
+    assert not (tmp_path / "o.jsonl").exists()

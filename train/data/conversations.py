@@ -77,7 +77,10 @@ def end_of_turn_markers(tokenizer) -> tuple[str, ...]:
 
 
 def _render(tokenizer, messages, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as exc:  # jinja TemplateError etc.: some templates reject role orders (e.g. user twice)
+        raise BadRow("rejected_by_chat_template") from exc
 
 
 def assistant_spans(tokenizer, messages: list[dict], markers) -> tuple[str, list[tuple[int, int]]]:
