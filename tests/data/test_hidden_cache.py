@@ -76,13 +76,13 @@ def test_offline_training_losses_equal_online(kind, target, data, cache_dir):
 def test_cache_is_sharded_indexed_and_resumable(target, data, cache_dir, tmp_path):
     index = read_index(cache_dir)
     assert len(index["shards"]) > 1 and index["layers"] == [1, 2, 3, 4] and index["dtype"] == "float32"
-    assert len(index["entries"]) == len(data[0]) + len(data[1])
+    assert sum(s["entries"] for s in index["shards"]) == len(data[0]) + len(data[1])
     # a killed run: only the validation split got cached, plus a half-written shard left behind
     partial = tmp_path / "c"
     build_cache(partial, target, [data[1]], LAYERS, shard_tokens=1500, progress=False)
     (partial / ".shard-00009.safetensors.tmp").write_bytes(b"torn")
     stats = build_cache(partial, target, list(data), LAYERS, shard_tokens=1500, progress=False)
-    assert stats["new_entries"] == len(data[0]) and stats["entries"] == len(index["entries"])
+    assert stats["new_entries"] == len(data[0]) and stats["entries"] == len(data[0]) + len(data[1])
     assert stats["bytes_per_token"] > 4 * 64 * 4  # 4 layers x hidden 64 x fp32, + ids and offsets
     assert build_cache(partial, target, list(data), LAYERS, progress=False)["new_entries"] == 0
 
@@ -111,7 +111,7 @@ def test_corrupted_or_missing_data_is_an_error(target, data, cache_dir, tmp_path
     raw[-100] ^= 0x40  # one flipped bit inside the hidden-state data
     shard.write_bytes(bytes(raw))
     cache = HiddenStateCache(bad, target, LAYERS)
-    key = next(k for k, (n, _) in cache.index["entries"].items() if n == 0)
+    key = next(k for k, (n, _) in cache.entries.items() if n == 0)
     with pytest.raises(HiddenCacheError, match="corrupted"):
         cache.entry(key)
     shard.write_bytes(bytes(raw[:1000]))

@@ -1,10 +1,11 @@
 """Offline hidden-state cache: run the frozen target once, read its features back every epoch.
 
 Layout of a cache directory:
-  index.json                 target spec and shape, cached hidden-state indices, dtype, shards with
-                             sha256 and byte size, and `entries`: example key -> [shard, row]
+  index.json                 target spec and shape, cached hidden-state indices, dtype, and the shards
+                             with their sha256, byte size, entry and token counts
   shard-00000.safetensors    "input_ids" int32 [N], "offsets" int64 [n+1], "hidden.<i>" [N, h] per
-                             cached hidden-state index i (rows concatenated along tokens)
+                             cached hidden-state index i (rows concatenated along tokens); its metadata
+                             "keys" lists the example keys of its rows (so index.json stays small)
 
 An example's key is a hash of its token ids, so a batch finds its rows whatever the shuffling, split or
 rank. Logits are not stored: the target's logits are its frozen LM head applied to the final-normed last
@@ -35,7 +36,8 @@ from train.data.batching import collate_fn
 from train.data.config import DataError
 
 INDEX = "index.json"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: example keys live in the shard headers (1: in index.json "entries"; still read)
+READABLE_FORMATS = (1, 2)
 SPEC_KEYS = ("name", "path", "gguf_file", "revision", "seed", "tiny")  # what identifies the target's weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # recompute vs cache, relative L2
@@ -80,7 +82,7 @@ class CacheWriter:
         fresh = {"format": CACHE_FORMAT, "target": target.spec.to_dict(), "num_layers": cfg.num_hidden_layers,
                  "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                  "layers": sorted(set(layers) | {cfg.num_hidden_layers}),
-                 "dtype": str(dtype).removeprefix("torch."), "meta": meta, "shards": [], "entries": {}}
+                 "dtype": str(dtype).removeprefix("torch."), "meta": meta, "shards": []}
         self.index = fresh
         if (self.dir / INDEX).is_file():
             self.index = read_index(self.dir)
@@ -92,11 +94,12 @@ class CacheWriter:
                                        f"({self.index['target']['name']}, layers {self.index['layers']}, "
                                        f"{self.index['dtype']}): use a new directory or delete it")
         self.layers = self.index["layers"]
+        self.entries = read_entries(self.dir, self.index)  # key -> (shard, row)
         self.pending: list[tuple[str, Tensor, dict[int, Tensor]]] = []
         self.pending_tokens = 0
 
     def __contains__(self, key: str) -> bool:
-        return key in self.index["entries"]
+        return key in self.entries
 
     def add(self, key: str, ids: Tensor, hidden: dict[int, Tensor]) -> None:
         """ids [T]; hidden[i] [T, h] for every cached index i."""
@@ -119,13 +122,15 @@ class CacheWriter:
         for i in self.layers:
             tensors[f"hidden.{i}"] = torch.cat([h[i] for _, _, h in self.pending])  # [N, h]
         tmp = self.dir / f".{name}.tmp"
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp), metadata={"keys": json.dumps([key for key, _, _ in self.pending])})
         os.replace(tmp, self.dir / name)
         self.index["shards"].append({"file": name, "sha256": file_sha256(self.dir / name),
                                      "bytes": (self.dir / name).stat().st_size, "entries": len(self.pending),
                                      "tokens": int(lengths.sum())})
         for row, (key, _, _) in enumerate(self.pending):
-            self.index["entries"][key] = [n, row]
+            self.entries[key] = (n, row)
+            if "entries" in self.index:  # a format-1 cache keeps its index readable by format-1 code
+                self.index["entries"][key] = [n, row]
         _write_json_atomic(self.dir / INDEX, self.index)
         self.pending, self.pending_tokens = [], 0
 
@@ -162,7 +167,7 @@ def build_cache(directory, target, datasets, layers: list[int], dtype: torch.dty
     index = writer.index
     tokens = sum(s["tokens"] for s in index["shards"])
     size = sum(s["bytes"] for s in index["shards"])
-    return {"entries": len(index["entries"]), "new_entries": len(todo), "tokens": tokens, "bytes": size,
+    return {"entries": len(writer.entries), "new_entries": len(todo), "tokens": tokens, "bytes": size,
             "bytes_per_token": round(size / max(tokens, 1), 1), "seconds": round(seconds, 2),
             "tokens_per_s": round(new_tokens / seconds, 1) if todo else None}
 
@@ -193,9 +198,29 @@ def read_index(directory) -> dict:
         index = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise HiddenCacheError(f"{path} is corrupted ({exc.msg}): rebuild the cache") from None
-    if index.get("format") != CACHE_FORMAT:
-        raise HiddenCacheError(f"{path} has cache format {index.get('format')}, expected {CACHE_FORMAT}: rebuild it")
+    if index.get("format") not in READABLE_FORMATS:
+        raise HiddenCacheError(f"{path} has cache format {index.get('format')}, expected {CACHE_FORMAT}: delete "
+                               f"{Path(directory)} and rebuild it")
     return index
+
+
+def read_entries(directory: Path, index: dict) -> dict[str, tuple[int, int]]:
+    """key -> (shard, row), from the shards' headers (a few bytes each)."""
+    from safetensors import SafetensorError, safe_open
+
+    entries = {key: tuple(where) for key, where in index.get("entries", {}).items()}  # format 1
+    for n, shard in enumerate(index["shards"]):
+        path = directory / shard["file"]
+        try:
+            with safe_open(str(path), framework="pt") as reader:
+                keys = (reader.metadata() or {}).get("keys")
+        except (SafetensorError, OSError) as exc:
+            raise HiddenCacheError(f"{path} is missing or unreadable ({type(exc).__name__}): rebuild the cache "
+                                   f"(scripts/cache_hidden_states.py resumes from what is intact)") from None
+        if keys is None and "entries" not in index:
+            raise HiddenCacheError(f"{path} lists no example keys: rebuild the cache")
+        entries.update((key, (n, row)) for row, key in enumerate(json.loads(keys or "[]")))
+    return entries
 
 
 class HiddenStateCache:
@@ -211,6 +236,7 @@ class HiddenStateCache:
             if not path.is_file() or path.stat().st_size != shard["bytes"]:
                 raise HiddenCacheError(f"{path} is missing or truncated: rebuild the cache "
                                        f"(scripts/cache_hidden_states.py resumes from what is intact)")
+        self.entries = read_entries(self.dir, self.index)
         self._open: dict[int, object] = {}
 
     def _check_target(self, target, layers) -> None:
@@ -229,10 +255,10 @@ class HiddenStateCache:
                                    f"head=<kind>)")
 
     def __len__(self) -> int:
-        return len(self.index["entries"])
+        return len(self.entries)
 
     def keys(self) -> list[str]:
-        return list(self.index["entries"])
+        return list(self.entries)
 
     def _shard(self, n: int):
         """The shard's lazy reader; its checksum is verified on first use."""
@@ -252,10 +278,10 @@ class HiddenStateCache:
 
     def entry(self, key: str) -> tuple[Tensor, dict[int, Tensor]]:
         """-> (ids [T] int32, {i: [T, h]})"""
-        if key not in self.index["entries"]:
+        if key not in self.entries:
             raise HiddenCacheError(f"an example is not in the hidden-state cache {self.dir}: it was built for "
                                    f"other data or another max_length; rebuild it with the training overrides")
-        n, row = self.index["entries"][key]
+        n, row = self.entries[key]
         reader = self._shard(n)
         start, end = reader.get_slice("offsets")[row:row + 2].tolist()
         ids = reader.get_slice("input_ids")[start:end]
