@@ -104,10 +104,15 @@ def check_config(cfg) -> None:
 
 
 def load_prompts(name_or_path: str, limit: int | None) -> list[dict]:
-    """[{"prompt", "category"}] from a built-in set (train.data.prompt_sets) or a JSONL file whose lines
-    hold a "prompt" and optionally a "category" (default "general")."""
-    path = Path(name_or_path).expanduser()
-    rows = read_prompt_file(path) if path.is_file() else builtin_prompts(name_or_path)
+    """[{"prompt", "category"}] from a built-in set or a JSONL file whose lines hold a "prompt" and
+    optionally a "category" (default "general"), read by train.data.prompt_sets."""
+    from train.data import DataError
+    from train.data.prompt_sets import load_prompt_set
+
+    try:
+        rows = [{"prompt": r["prompt"], "category": r["category"]} for r in load_prompt_set(name_or_path)]
+    except DataError as exc:
+        raise EvalError(str(exc)) from None
     rows = round_robin_by_category(rows)[:limit]
     if not rows:
         raise EvalError(f"prompt set {name_or_path!r} holds no prompts: give at least one line with a \"prompt\"")
@@ -121,32 +126,6 @@ def round_robin_by_category(rows: list[dict]) -> list[dict]:
         by_category.setdefault(row["category"], []).append(row)
     rank = {id(row): i for group in by_category.values() for i, row in enumerate(group)}
     return sorted(rows, key=lambda row: rank[id(row)])  # stable: category order kept within a rank
-
-
-def builtin_prompts(name: str) -> list[dict]:
-    from train.data import DataError
-    from train.data.prompt_sets import load_prompt_set, prompt_set_names
-
-    try:
-        return [{"prompt": r["prompt"], "category": r["category"]} for r in load_prompt_set(name)]
-    except DataError:
-        raise EvalError(f"prompts={name!r} is neither a built-in set ({', '.join(prompt_set_names())}) nor an "
-                        f"existing JSONL file with a \"prompt\" (and optional \"category\") per line") from None
-
-
-def read_prompt_file(path: Path) -> list[dict]:
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EvalError(f"{path}:{n} is not valid JSON ({exc.msg}): write one object per line") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise EvalError(f"{path}:{n} has no \"prompt\" string: each line needs one (\"category\" is optional)")
-        rows.append({"prompt": row["prompt"], "category": str(row.get("category") or "general")})
-    return rows
 
 
 def check_lengths(prompt_ids: list[list[int]], max_new_tokens: int, target) -> None:
