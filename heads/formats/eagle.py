@@ -36,9 +36,14 @@ def config(head, prov) -> dict:
 
 
 def serve(where: str, prov) -> list[Serve]:
+    return eagle_serve_commands(where, prov, method="eagle", algorithm="EAGLE")
+
+
+def eagle_serve_commands(where: str, prov, method: str, algorithm: str) -> list[Serve]:
+    """vLLM and SGLang commands for an EAGLE-family head (EAGLE-1/2 and EAGLE-3 differ only by name)."""
     k = prov.num_speculative_tokens
-    spec = json.dumps({"method": "eagle", "model": where, "num_speculative_tokens": k})
-    sglang = (f"python -m sglang.launch_server --model-path {prov.target_name} --speculative-algorithm EAGLE "
+    spec = json.dumps({"method": method, "model": where, "num_speculative_tokens": k})
+    sglang = (f"python -m sglang.launch_server --model-path {prov.target_name} --speculative-algorithm {algorithm} "
               f"--speculative-draft-model-path {where} --speculative-num-steps {k} --speculative-eagle-topk 8 "
               f"--speculative-num-draft-tokens 64")
     return [Serve("vLLM", f"vllm serve {prov.target_name} --speculative-config '{spec}'"), Serve("SGLang", sglang)]

@@ -19,10 +19,9 @@ is the residual (EAGLE-3's code; the speculators default is true, so it is alway
 
 from __future__ import annotations
 
-import json
-
 from heads.formats import Layout, Serve, register_layout
 from heads.formats.common import ExportError, llama_layer_fields, refuse_attention_bias
+from heads.formats.eagle import eagle_serve_commands
 
 SPEC_PREFIX = "layers.0."
 
@@ -81,12 +80,7 @@ def causal_lm_class(config) -> str:
 
 
 def official_serve(where: str, prov) -> list[Serve]:
-    k = prov.num_speculative_tokens
-    spec = json.dumps({"method": "eagle3", "model": where, "num_speculative_tokens": k})
-    sglang = (f"python -m sglang.launch_server --model-path {prov.target_name} --speculative-algorithm EAGLE3 "
-              f"--speculative-draft-model-path {where} --speculative-num-steps {k} --speculative-eagle-topk 8 "
-              f"--speculative-num-draft-tokens 64")
-    return [Serve("vLLM", f"vllm serve {prov.target_name} --speculative-config '{spec}'"), Serve("SGLang", sglang)]
+    return eagle_serve_commands(where, prov, method="eagle3", algorithm="EAGLE3")
 
 
 def speculators_serve(where: str, prov) -> list[Serve]:
