@@ -319,9 +319,13 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 def kl_to_target(logits: Tensor, target_logits: Tensor) -> Tensor:
     """KL(p_target || q) per position, [..., V] -> [...] (fp32): the soft cross-entropy to the target minus
-    the target's entropy, so same gradient, and 0 means the head matches the target."""
-    log_p = target_logits.float().log_softmax(-1)
-    return (log_p.exp() * (log_p - logits.float().log_softmax(-1))).sum(-1)
+    the target's entropy, so same gradient, and 0 means the head matches the target. Target logits may be
+    -inf (a top-k cache): those tokens have p = 0 and add nothing; a row with no finite logit adds 0."""
+    log_p = target_logits.float().log_softmax(-1)  # -inf off the support, NaN in a row without one
+    support = log_p > float("-inf")
+    log_p = log_p.masked_fill(~support, 0.0)  # so p = 0 terms never compute 0 * inf = NaN, nor its gradient
+    terms = log_p.exp() * (log_p - logits.float().log_softmax(-1))
+    return terms.masked_fill(~support, 0.0).sum(-1)
 
 
 def target_logits_of(head, feats: TargetFeatures) -> Tensor:

@@ -4,7 +4,9 @@
     accelerate launch train/main.py head=eagle3 data=default data.hidden_states=offline data.hidden_cache=cache/eagle3
 
 Everything after the options is a training override (same as train/main.py), so the cache holds exactly
-the examples (data, train.max_length, seed) and hidden-state layers (the head's) that training will read.
+the examples (data, train.max_length, seed) and hidden-state layers (the head's) that training will read,
+and the target's logits as data.cache_logits says (none: recomputed from the last hidden state in the
+step | topk: data.logits_topk per token | full); pass the same data.* overrides to training.
 Killed? Run the same command again: finished shards are kept. At the end a sample of entries is
 recomputed and compared, and bytes per token, write and read throughput are printed.
 """
@@ -96,7 +98,8 @@ def main(argv=None) -> int:
     dtype = None if args.dtype == "auto" else resolve_dtype(args.dtype)
     meta = {"data": {"name": cfg.data.name, "source": cfg.data.source}, "max_length": cfg.train.max_length,
             "seed": cfg.train.seed, "head": cfg.head.kind}
-    report = build_cache(out, target, list(datasets), layers, dtype, args.batch_size, args.shard_tokens, meta)
+    report = build_cache(out, target, list(datasets), layers, dtype, args.batch_size, args.shard_tokens, meta,
+                         logits=cfg.data.cache_logits, topk=cfg.data.logits_topk)
     cache = HiddenStateCache(out, target, layers)
     report["validated_entries"] = min(args.validate, len(cache))
     report["max_relative_error"] = cache.validate(target, args.validate) if args.validate else None

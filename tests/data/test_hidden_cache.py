@@ -138,3 +138,163 @@ def test_cache_hidden_states_cli(tmp_path):
     assert read_index(out)["meta"]["head"] == "eagle"
     bad = subprocess.run(cmd[:2] + ["head=eagle", "experiment=smoke"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: say where the cache goes")
+
+
+# ------------------------------------------------------------------ stored target logits (cache_logits)
+
+V = 259  # the tiny target's vocabulary
+
+
+def logits_cache(target, data, directory, mode, k=64):
+    return build_cache(directory, target, list(data), LAYERS, shard_tokens=1500, progress=False, logits=mode, topk=k)
+
+
+@pytest.fixture(scope="module")
+def logit_caches(target, data, tmp_path_factory):
+    """mode name -> (directory, build report) for full, top-V (= full), top-8."""
+    caches = {}
+    for name, mode, k in [("full", "full", 64), ("topV", "topk", V), ("top8", "topk", 8)]:
+        directory = tmp_path_factory.mktemp(name)
+        caches[name] = directory, logits_cache(target, data, directory, mode, k)
+    return caches
+
+
+def stored_cfg(directory, mode, k=64):
+    return DataConfig(name="tiny", hidden_states="offline", hidden_cache=str(directory), cache_logits=mode,
+                      logits_topk=k)
+
+
+def test_kl_to_target_over_the_support_of_a_top_k_target():
+    from heads.layers import kl_to_target
+
+    torch.manual_seed(0)
+    q = torch.randn(3, 5, 11, requires_grad=True)
+    p = torch.randn(3, 5, 11)
+    old = (p.log_softmax(-1).exp() * (p.log_softmax(-1) - q.log_softmax(-1))).sum(-1)
+    assert torch.equal(kl_to_target(q, p), old)  # finite targets: the exact same arithmetic as before
+    top = p.topk(4, -1)
+    sparse = torch.full_like(p, float("-inf")).scatter(-1, top.indices, top.values)
+    sparse[0, 0] = float("-inf")  # a row with no support (a draft vocabulary missing the whole top k)
+    kl = kl_to_target(q, sparse)
+    log_p = top.values.log_softmax(-1)
+    ref = (log_p.exp() * (log_p - q.log_softmax(-1).gather(-1, top.indices))).sum(-1)
+    torch.testing.assert_close(kl[0, 1:], ref[0, 1:])
+    torch.testing.assert_close(kl[1:], ref[1:])
+    assert kl[0, 0] == 0
+    kl.sum().backward()
+    assert torch.isfinite(q.grad).all() and q.grad[0, 0].abs().sum() == 0
+    head_minus_inf = q.detach().clone()
+    head_minus_inf[..., 0] = float("-inf")  # a head that cannot emit token 0 where the target never does
+    sparse[..., 0] = float("-inf")
+    assert torch.isfinite(kl_to_target(head_minus_inf, sparse)).all()
+
+
+def test_stored_logits_read_back_as_dense_target_logits(target, data, logit_caches):
+    online = make_feature_source(DataConfig(), target, LAYERS, with_logits=True)
+    full = make_feature_source(stored_cfg(logit_caches["full"][0], "full"), target, LAYERS)
+    top8 = make_feature_source(stored_cfg(logit_caches["top8"][0], "topk", 8), target, LAYERS)
+    for batch in batches(data[0], target.tokenizer.pad_token_id)[:2]:
+        ref, a, b = online(batch).logits, full(batch).logits, top8(batch).logits
+        real = batch["attention_mask"].bool()
+        torch.testing.assert_close(a[real], ref[real], rtol=1e-5, atol=1e-5)
+        assert (a[~real] == 0).all() and (b[~real] == 0).all()  # padding: finite, uniform
+        kept = torch.isfinite(b[real])
+        assert (kept.sum(-1) == 8).all()
+        assert torch.equal(kept, torch.zeros_like(kept).scatter(-1, ref[real].topk(8).indices, True))
+        torch.testing.assert_close(b[real][kept], ref[real][kept], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,options", [("eagle", {}), ("eagle3", {}), ("medusa", {"loss": "kl"})])
+def test_training_losses_from_stored_logits(kind, options, target, data, logit_caches):
+    options = {**(yaml.safe_load(open(f"conf/head/{kind}.yaml"))["options"] or {}), **options}
+    torch.manual_seed(0)
+    head = build_head(kind, target, **options)
+    head.init_from_data(token_counts(data[0], target.config.vocab_size))
+    layers = head.feature_layers()
+    sources = {"online": make_feature_source(DataConfig(), target, layers),  # logits from the LM head in the step
+               "full": make_feature_source(stored_cfg(logit_caches["full"][0], "full"), target, layers),
+               "topV": make_feature_source(stored_cfg(logit_caches["topV"][0], "topk", V), target, layers),
+               "top8": make_feature_source(stored_cfg(logit_caches["top8"][0], "topk", 8), target, layers)}
+    for batch in batches(data[0], target.tokenizer.pad_token_id)[:2]:
+        loss = {}
+        for name, source in sources.items():
+            torch.manual_seed(1)  # same feature noise in all
+            loss[name] = head(batch["input_ids"], batch["loss_mask"], source(batch)).loss
+        torch.testing.assert_close(loss["full"], loss["online"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(loss["topV"], loss["full"], rtol=0, atol=0)
+        assert torch.isfinite(loss["top8"]) and abs(float((loss["top8"] - loss["full"]).detach())) > 1e-4
+        loss["top8"].backward()
+        assert all(torch.isfinite(p.grad).all() for p in head.parameters() if p.grad is not None)
+
+
+def test_logit_mode_is_part_of_the_cache_identity(target, data, cache_dir, logit_caches, tmp_path):
+    from train.data.hidden_cache import auto_cache_dir
+
+    top8 = logit_caches["top8"][0]
+    with pytest.raises(HiddenCacheError, match="built with cache_logits=topk logits_topk=8, not cache_logits=full"):
+        logits_cache(target, data, top8, "full")
+    with pytest.raises(HiddenCacheError, match="logits_topk=8, not cache_logits=topk logits_topk=16"):
+        logits_cache(target, data, top8, "topk", 16)
+    with pytest.raises(HiddenCacheError, match="built with cache_logits=none"):
+        logits_cache(target, data, cache_dir, "topk", 8)
+    with pytest.raises(HiddenCacheError, match="set data.cache_logits=topk data.logits_topk=8 to read it"):
+        make_feature_source(offline_cfg(top8), target, LAYERS)  # asks for none
+    with pytest.raises(HiddenCacheError, match="but cache_logits=topk logits_topk=8 was asked for"):
+        make_feature_source(stored_cfg(cache_dir, "topk", 8), target, LAYERS)
+    with pytest.raises(HiddenCacheError, match="exceeds the target's vocabulary"):
+        logits_cache(target, data, tmp_path / "big", "topk", V + 1)
+    names = {auto_cache_dir(target, LAYERS, mode, k).name for mode, k in
+             [("none", 8), ("none", 64), ("topk", 8), ("topk", 64), ("full", 8)]}
+    assert len(names) == 4  # k only names top-k caches
+    assert auto_cache_dir(target, LAYERS).name.endswith("-float32-L1_2_3_4")  # caches built before logits: reused
+
+
+def test_bytes_per_token_by_logit_mode(logit_caches, cache_dir):
+    none = read_index(cache_dir)
+    reports = {name: report for name, (_, report) in logit_caches.items()}
+    assert reports["full"]["logits"] == "cache_logits=full" and reports["full"]["logits_bytes_per_token"] == V * 4
+    assert reports["top8"]["logits"] == "cache_logits=topk logits_topk=8"
+    assert reports["top8"]["logits_bytes_per_token"] == 8 * (4 + 4)  # fp32 values + int32 ids
+    none_bpt = sum(s["bytes"] for s in none["shards"]) / sum(s["tokens"] for s in none["shards"])
+    for name in reports:  # the stored logits are what the extra bytes are
+        extra = reports[name]["bytes_per_token"] - none_bpt
+        assert abs(extra - reports[name]["logits_bytes_per_token"]) < 2, name
+
+
+def rewrite_shard(directory, change):
+    """Edit shard 0's tensors and re-sign it in the index: wrong data that checksums cannot catch."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from heads.formats.common import file_sha256
+
+    path = directory / "shard-00000.safetensors"
+    with safe_open(str(path), framework="pt") as reader:
+        tensors, metadata = {k: reader.get_tensor(k) for k in reader.keys()}, reader.metadata()
+    change(tensors)
+    save_file(tensors, str(path), metadata=metadata)
+    index = read_index(directory)
+    index["shards"][0].update(sha256=file_sha256(path), bytes=path.stat().st_size)
+    (directory / "index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("name,field,change", [
+    ("full", "logits", lambda t: t.roll(1, -1)),  # logits shifted by one token id
+    ("top8", "logits.values", lambda t: t * 1.01),  # values off by 1%
+    ("top8", "logits.indices", lambda t: (t + 1) % V),  # the wrong top-8 ids
+])
+def test_validation_catches_wrong_stored_logits(name, field, change, target, logit_caches, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(logit_caches[name][0], bad)
+    cache = HiddenStateCache(bad, target, LAYERS)
+    assert cache.validate(target, samples=len(cache)) < 1e-4  # intact: passes
+
+    def edit(tensors):
+        tensors[field] = change(tensors[field])
+
+    rewrite_shard(bad, edit)
+    cache = HiddenStateCache(bad, target, LAYERS)
+    with pytest.raises(HiddenCacheError, match="cached logits differ from target"):
+        cache.validate(target, samples=len(cache))

@@ -44,12 +44,16 @@ class DataConfig:
     hidden_states: str = "online"  # online: target runs in the step | offline: read the hidden-state cache
     hidden_cache: Optional[str] = None  # directory written by scripts/cache_hidden_states.py (offline +
     # null: training builds one under $HEADWAY_CACHE/hidden/ on first use and reuses it)
+    cache_logits: str = "none"  # the target's token distributions in the cache too: none (recomputed from the
+    # cached last hidden state by the frozen LM head) | topk (logits_topk values + ids per token) | full ([V])
+    logits_topk: int = 64  # k for cache_logits=topk: the head's soft target is renormalised over these k
     cache_dir: Optional[str] = None  # datasets' cache (None: HF_DATASETS_CACHE)
     regen: RegenConfig = field(default_factory=RegenConfig)  # builtin:default only
 
 
 FORMATS = ("auto", "messages", "sharegpt")
 HIDDEN_STATE_MODES = ("online", "offline")
+CACHE_LOGITS = ("none", "topk", "full")
 
 
 def check_data_config(cfg: DataConfig) -> None:
@@ -58,6 +62,10 @@ def check_data_config(cfg: DataConfig) -> None:
         raise DataError(f"data.format={cfg.format!r} is unknown: use one of {', '.join(FORMATS)}")
     if cfg.hidden_states not in HIDDEN_STATE_MODES:
         raise DataError(f"data.hidden_states={cfg.hidden_states!r} is unknown: use online or offline")
+    if cfg.cache_logits not in CACHE_LOGITS:
+        raise DataError(f"data.cache_logits={cfg.cache_logits!r} is unknown: use one of {', '.join(CACHE_LOGITS)}")
+    if cfg.logits_topk < 1:
+        raise DataError(f"data.logits_topk={cfg.logits_topk} must be >= 1")
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise DataError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1)")
     if cfg.val_size is not None and cfg.val_size < 0:

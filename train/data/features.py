@@ -13,7 +13,8 @@ FeatureSource = Callable[[dict], TargetFeatures]
 
 
 def make_feature_source(data_cfg, target, layers: list[int], with_logits: bool = False) -> FeatureSource:
-    """-> callable(batch) -> TargetFeatures for hidden-state indices `layers` (+ the last one always).
+    """-> callable(batch) -> TargetFeatures for hidden-state indices `layers` (+ the last one always);
+    with the target's logits when `with_logits` or when the cache stores them (data.cache_logits).
 
     `target` is a heads.target.Target (or its HF model for online mode). `batch` is a collated batch
     (input_ids, attention_mask, loss_mask) already on the target's device."""
@@ -27,7 +28,8 @@ def make_feature_source(data_cfg, target, layers: list[int], with_logits: bool =
                             "(build it with scripts/cache_hidden_states.py)")
         from train.data.hidden_cache import OfflineFeatureSource
 
-        return OfflineFeatureSource(cfg.hidden_cache, target, layers, with_logits)
+        return OfflineFeatureSource(cfg.hidden_cache, target, layers, with_logits,
+                                    logits=cfg.cache_logits, topk=cfg.logits_topk)
 
     def online(batch: dict) -> TargetFeatures:
         return compute_features(model, batch["input_ids"], batch["attention_mask"], layers, with_logits)

@@ -4,13 +4,18 @@ Layout of a cache directory:
   index.json                 target spec and shape, cached hidden-state indices, dtype, and the shards
                              with their sha256, byte size, entry and token counts
   shard-00000.safetensors    "input_ids" int32 [N], "offsets" int64 [n+1], "hidden.<i>" [N, h] per
-                             cached hidden-state index i (rows concatenated along tokens); its metadata
-                             "keys" lists the example keys of its rows (so index.json stays small)
+                             cached hidden-state index i (rows concatenated along tokens), and with
+                             data.cache_logits=topk "logits.values" [N, k] (cache dtype) + "logits.indices"
+                             [N, k] int32, or with =full "logits" [N, V]; its metadata "keys" lists the
+                             example keys of its rows (so index.json stays small)
 
 An example's key is a hash of its token ids, so a batch finds its rows whatever the shuffling, split or
-rank. Logits are not stored: the target's logits are its frozen LM head applied to the final-normed last
-hidden state, which is cached, so they are recomputed exactly (storing [T, V] would cost V/h times more:
-85x for SmolLM2).
+rank. Logits are optional (index "logits": {"mode", "k"}): by default (none) the target's logits are its
+frozen LM head applied to the cached final-normed last hidden state, recomputed exactly in the step
+(storing [T, V] costs V/h times more: 85x for SmolLM2). topk stores the target's distribution the way
+distillation pipelines ship it when the target is not at hand: k logits per token, read back as dense
+[T, V] with -inf elsewhere, so the head's soft target is the target's softmax renormalised over its top k.
+The logit mode and k are part of a cache's identity: a cache is never read or extended with others.
 
 Safety: the index names the target (spec, hidden size, layer count); opening checks it, the requested
 layers, the shard sizes; each shard's sha256 is verified the first time it is read; and a sample of
@@ -33,7 +38,7 @@ from torch import Tensor
 from heads.base import TargetFeatures, compute_features
 from heads.formats.common import file_sha256
 from train.data.batching import collate_fn
-from train.data.config import DataError
+from train.data.config import CACHE_LOGITS, DataError
 
 INDEX = "index.json"
 CACHE_FORMAT = 2  # 2: example keys live in the shard headers (1: in index.json "entries"; still read)
@@ -69,23 +74,92 @@ def _spec_identity(spec: dict) -> dict:
     return {k: spec.get(k) for k in SPEC_KEYS}
 
 
+def auto_cache_dir(target, layers: list[int], logits: str = "none", topk: int = 64) -> Path:
+    """Where training keeps the cache it builds itself (data.hidden_cache unset): one directory per target
+    weights, dtype, hidden-state indices and logit mode, so two configurations never share one."""
+    from heads.target import cache_root
+
+    dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
+    wanted = sorted(set(layers) | {target.config.num_hidden_layers})
+    spec = hashlib.sha256(json.dumps(target.spec.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
+    suffix = {"none": "", "topk": f"-top{topk}", "full": "-logits"}[logits]
+    return cache_root() / "hidden" / f"{target.spec.name}-{spec}-{dtype}-L{'_'.join(map(str, wanted))}{suffix}"
+
+
+# ------------------------------------------------------------------------------------------ logits
+
+def logits_identity(mode: str = "none", topk: int = 64) -> dict:
+    """How a cache stores the target's logits (index.json "logits"); k only matters for topk."""
+    if mode not in CACHE_LOGITS:
+        raise HiddenCacheError(f"cache logits mode {mode!r} is unknown: use one of {', '.join(CACHE_LOGITS)}")
+    if mode == "topk" and topk < 1:
+        raise HiddenCacheError(f"logits_topk={topk} must be >= 1")
+    return {"mode": mode, "k": int(topk)} if mode == "topk" else {"mode": mode}
+
+
+def describe_logits(ident: dict) -> str:
+    return f"cache_logits=topk logits_topk={ident['k']}" if ident["mode"] == "topk" else \
+        f"cache_logits={ident['mode']}"
+
+
+def logit_rows(logits: Tensor, ident: dict, dtype: torch.dtype) -> dict[str, Tensor]:
+    """What a cache stores of logits [..., V]: {} | top-k values + ids [..., k] | all of them [..., V]."""
+    if ident["mode"] == "topk":
+        values, ids = logits.topk(ident["k"], dim=-1)  # sorted, largest first
+        return {"logits.values": values.to(dtype), "logits.indices": ids.to(torch.int32)}
+    return {"logits": logits.to(dtype)} if ident["mode"] == "full" else {}
+
+
+def dense_logits(rows: dict[str, Tensor], vocab_size: int) -> Tensor:
+    """Stored rows -> logits [n, V] fp32; top-k: -inf outside the stored ids (softmax renormalises)."""
+    if "logits" in rows:
+        return rows["logits"].float()
+    values = rows["logits.values"]  # [n, k]
+    full = torch.full((values.shape[0], vocab_size), float("-inf"))
+    return full.scatter_(-1, rows["logits.indices"].long(), values.float())
+
+
+def logits_error(rows: dict[str, Tensor], fresh: Tensor) -> float:
+    """Relative L2 error of stored logit rows against recomputed logits [n, V]. Top-k: the stored values
+    against the fresh ones at the stored ids, and the fresh values at the stored ids (sorted) against the
+    fresh top k, so a wrong id set counts but a near-tie swapped by float noise does not."""
+    def rel(a: Tensor, b: Tensor) -> float:
+        return float((a.float() - b).norm() / b.norm().clamp_min(1e-12))
+
+    if "logits" in rows:
+        return rel(rows["logits"], fresh)
+    ids = rows["logits.indices"].long()  # [n, k]
+    at_ids = fresh.gather(-1, ids)
+    best = fresh.topk(ids.shape[-1], dim=-1).values
+    return max(rel(rows["logits.values"], at_ids), rel(at_ids.sort(-1, descending=True).values, best))
+
+
 # ------------------------------------------------------------------------------------------ writer
 
 class CacheWriter:
     """Appends shards to a cache directory; a killed run loses at most the unflushed shard."""
 
-    def __init__(self, directory, target, layers: list[int], dtype: torch.dtype, shard_tokens: int, meta: dict):
+    def __init__(self, directory, target, layers: list[int], dtype: torch.dtype, shard_tokens: int, meta: dict,
+                 logits: dict | None = None):
         self.dir = Path(directory)
+        cfg = target.config
+        logits = logits or logits_identity()
+        if logits.get("k", 0) > cfg.vocab_size:
+            raise HiddenCacheError(f"logits_topk={logits['k']} exceeds the target's vocabulary ({cfg.vocab_size}): "
+                                   f"use a smaller k or data.cache_logits=full")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.dtype, self.shard_tokens = dtype, shard_tokens
-        cfg = target.config
         fresh = {"format": CACHE_FORMAT, "target": target.spec.to_dict(), "num_layers": cfg.num_hidden_layers,
                  "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                  "layers": sorted(set(layers) | {cfg.num_hidden_layers}),
-                 "dtype": str(dtype).removeprefix("torch."), "meta": meta, "shards": []}
+                 "dtype": str(dtype).removeprefix("torch."), "logits": logits, "meta": meta, "shards": []}
         self.index = fresh
         if (self.dir / INDEX).is_file():
             self.index = read_index(self.dir)
+            if stored_logits(self.index) != logits:
+                raise HiddenCacheError(f"{self.dir} holds a cache built with "
+                                       f"{describe_logits(stored_logits(self.index))}, not {describe_logits(logits)}: "
+                                       f"use a new directory or delete it")
             same = {k: self.index[k] for k in ("num_layers", "hidden_size", "layers", "dtype")} == \
                 {k: fresh[k] for k in ("num_layers", "hidden_size", "layers", "dtype")} and \
                 _spec_identity(self.index["target"]) == _spec_identity(fresh["target"])
@@ -93,17 +167,20 @@ class CacheWriter:
                 raise HiddenCacheError(f"{self.dir} holds a cache for another target, layers or dtype "
                                        f"({self.index['target']['name']}, layers {self.index['layers']}, "
                                        f"{self.index['dtype']}): use a new directory or delete it")
-        self.layers = self.index["layers"]
+        self.layers, self.logits = self.index["layers"], logits
         self.entries = read_entries(self.dir, self.index)  # key -> (shard, row)
-        self.pending: list[tuple[str, Tensor, dict[int, Tensor]]] = []
+        self.pending: list[tuple[str, Tensor, dict[str, Tensor]]] = []
         self.pending_tokens = 0
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
 
-    def add(self, key: str, ids: Tensor, hidden: dict[int, Tensor]) -> None:
-        """ids [T]; hidden[i] [T, h] for every cached index i."""
-        self.pending.append((key, ids.to(torch.int32).cpu(), {i: hidden[i].to(self.dtype).cpu() for i in self.layers}))
+    def add(self, key: str, ids: Tensor, hidden: dict[int, Tensor], logits: Tensor | None = None) -> None:
+        """ids [T]; hidden[i] [T, h] for every cached index i; logits [T, V] unless the mode is none."""
+        rows = {f"hidden.{i}": hidden[i].to(self.dtype).cpu() for i in self.layers}
+        if self.logits["mode"] != "none":
+            rows.update((name, t.cpu()) for name, t in logit_rows(logits, self.logits, self.dtype).items())
+        self.pending.append((key, ids.to(torch.int32).cpu(), rows))
         self.pending_tokens += len(ids)
         if self.pending_tokens >= self.shard_tokens:
             self.flush()
@@ -119,8 +196,8 @@ class CacheWriter:
         lengths = torch.tensor([len(ids) for _, ids, _ in self.pending])
         tensors = {"input_ids": torch.cat([ids for _, ids, _ in self.pending]),
                    "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])}
-        for i in self.layers:
-            tensors[f"hidden.{i}"] = torch.cat([h[i] for _, _, h in self.pending])  # [N, h]
+        for field in self.pending[0][2]:  # hidden.<i> [N, h], logits.* [N, k] or [N, V]
+            tensors[field] = torch.cat([rows[field] for _, _, rows in self.pending])
         tmp = self.dir / f".{name}.tmp"
         save_file(tensors, str(tmp), metadata={"keys": json.dumps([key for key, _, _ in self.pending])})
         os.replace(tmp, self.dir / name)
@@ -137,15 +214,18 @@ class CacheWriter:
 
 def build_cache(directory, target, datasets, layers: list[int], dtype: torch.dtype | None = None,
                 batch_size: int = 8, shard_tokens: int = 1 << 18, meta: dict | None = None,
-                progress: bool = True) -> dict:
+                progress: bool = True, logits: str = "none", topk: int = 64) -> dict:
     """Run the target over every example of `datasets` (tokenised, items with input_ids/loss_mask) not yet
-    cached and store its hidden states. Returns {"entries", "new_entries", "tokens", "bytes",
-    "bytes_per_token", "seconds", "tokens_per_s"}."""
+    cached and store its hidden states (and its logits: `logits` none | topk (`topk` per token) | full).
+    Returns {"entries", "new_entries", "tokens", "bytes", "bytes_per_token", "logits",
+    "hidden_bytes_per_token", "logits_bytes_per_token", "seconds", "tokens_per_s"}."""
     from tqdm.auto import tqdm
 
     model = target.model
     dtype = dtype or next(model.parameters()).dtype
-    writer = CacheWriter(directory, target, layers, dtype, shard_tokens, meta or {})
+    ident = logits_identity(logits, topk)
+    writer = CacheWriter(directory, target, layers, dtype, shard_tokens, meta or {}, ident)
+    with_logits = ident["mode"] != "none"
     todo = _uncached(datasets, writer)  # (length, key, dataset, row), shortest first: little padding
     collate = collate_fn(target.tokenizer.pad_token_id or 0)
     device = next(model.parameters()).device
@@ -156,9 +236,10 @@ def build_cache(directory, target, datasets, layers: list[int], dtype: torch.dty
         items = [datasets[d][r] for _, _, d, r in chunk]
         batch = collate(items)
         feats = compute_features(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                 writer.layers)
+                                 writer.layers, with_logits)
         for b, ((n, key, _, _), item) in enumerate(zip(chunk, items)):
-            writer.add(key, torch.tensor(item["input_ids"]), {i: feats.hidden_states[i][b, :n] for i in writer.layers})
+            writer.add(key, torch.tensor(item["input_ids"]), {i: feats.hidden_states[i][b, :n] for i in writer.layers},
+                       feats.logits[b, :n] if with_logits else None)
             new_tokens += n
         bar.update(sum(n for n, *_ in chunk))
     writer.flush()
@@ -168,8 +249,18 @@ def build_cache(directory, target, datasets, layers: list[int], dtype: torch.dty
     tokens = sum(s["tokens"] for s in index["shards"])
     size = sum(s["bytes"] for s in index["shards"])
     return {"entries": len(writer.entries), "new_entries": len(todo), "tokens": tokens, "bytes": size,
-            "bytes_per_token": round(size / max(tokens, 1), 1), "seconds": round(seconds, 2),
+            "bytes_per_token": round(size / max(tokens, 1), 1), "logits": describe_logits(ident),
+            **bytes_per_token(index), "seconds": round(seconds, 2),
             "tokens_per_s": round(new_tokens / seconds, 1) if todo else None}
+
+
+def bytes_per_token(index: dict) -> dict:
+    """Payload bytes per token of the hidden states and of the logits (the rest: ids, offsets, headers)."""
+    item = DTYPES[index["dtype"]].itemsize
+    ident = stored_logits(index)
+    per_logit = {"none": 0, "topk": ident.get("k", 0) * (item + 4), "full": index["vocab_size"] * item}
+    return {"hidden_bytes_per_token": len(index["layers"]) * index["hidden_size"] * item,
+            "logits_bytes_per_token": per_logit[ident["mode"]]}
 
 
 def _uncached(datasets, writer: CacheWriter) -> list[tuple[int, str, int, int]]:
@@ -204,6 +295,10 @@ def read_index(directory) -> dict:
     return index
 
 
+def stored_logits(index: dict) -> dict:
+    return index.get("logits", {"mode": "none"})  # caches from before logits could be stored hold none
+
+
 def read_entries(directory: Path, index: dict) -> dict[str, tuple[int, int]]:
     """key -> (shard, row), from the shards' headers (a few bytes each)."""
     from safetensors import SafetensorError, safe_open
@@ -226,11 +321,18 @@ def read_entries(directory: Path, index: dict) -> dict[str, tuple[int, int]]:
 class HiddenStateCache:
     """Read access to a cache directory, checked against the target and the layers asked for."""
 
-    def __init__(self, directory, target, layers: list[int]):
+    def __init__(self, directory, target, layers: list[int], logits: str | None = None, topk: int = 64):
+        """`logits`/`topk`: the logit mode the caller expects (None: whatever the cache holds)."""
         self.dir = Path(directory)
         self.index = read_index(self.dir)
         self.dtype = DTYPES[self.index["dtype"]]
         self._check_target(target, layers)
+        self.logits = stored_logits(self.index)
+        if logits is not None and logits_identity(logits, topk) != self.logits:
+            raise HiddenCacheError(f"{self.dir} was built with {describe_logits(self.logits)}, but "
+                                   f"{describe_logits(logits_identity(logits, topk))} was asked for: set data."
+                                   f"{describe_logits(self.logits).replace(' ', ' data.')} to read it, or point "
+                                   f"data.hidden_cache at a cache built with these settings")
         for shard in self.index["shards"]:
             path = self.dir / shard["file"]
             if not path.is_file() or path.stat().st_size != shard["bytes"]:
@@ -276,56 +378,81 @@ class HiddenStateCache:
                 raise HiddenCacheError(f"{path} is unreadable ({exc}): rebuild the cache") from None
         return self._open[n]
 
-    def entry(self, key: str) -> tuple[Tensor, dict[int, Tensor]]:
-        """-> (ids [T] int32, {i: [T, h]})"""
+    def _rows(self, key: str, names: list[str]) -> dict[str, Tensor]:
+        """The example's rows of the shard tensors `names` ([T, ...] each)."""
         if key not in self.entries:
             raise HiddenCacheError(f"an example is not in the hidden-state cache {self.dir}: it was built for "
                                    f"other data or another max_length; rebuild it with the training overrides")
         n, row = self.entries[key]
         reader = self._shard(n)
         start, end = reader.get_slice("offsets")[row:row + 2].tolist()
-        ids = reader.get_slice("input_ids")[start:end]
-        return ids, {i: reader.get_slice(f"hidden.{i}")[start:end] for i in self.layers}
+        return {name: reader.get_slice(name)[start:end] for name in names}
+
+    def entry(self, key: str) -> tuple[Tensor, dict[int, Tensor]]:
+        """-> (ids [T] int32, {i: [T, h]})"""
+        rows = self._rows(key, ["input_ids"] + [f"hidden.{i}" for i in self.layers])
+        return rows["input_ids"], {i: rows[f"hidden.{i}"] for i in self.layers}
+
+    def logit_rows(self, key: str) -> dict[str, Tensor]:
+        """The example's stored logits: {} | {"logits.values", "logits.indices"} [T, k] | {"logits"} [T, V]."""
+        names = {"none": [], "topk": ["logits.values", "logits.indices"], "full": ["logits"]}[self.logits["mode"]]
+        return self._rows(key, names) if names else {}
 
     def features(self, input_ids: Tensor, attention_mask: Tensor, dtype: torch.dtype) -> TargetFeatures:
-        """The cached features of a right-padded batch [B, T] (zeros at padding)."""
+        """The cached features of a right-padded batch [B, T] (zeros at padding), with the stored logits
+        [B, T, V] fp32 (zeros at padding: a uniform, finite target there) unless the mode is none."""
         B, T = input_ids.shape
         h = self.index["hidden_size"]
         hidden = {i: torch.zeros(B, T, h, dtype=dtype) for i in self.layers}
+        stored = []
         for b, key in enumerate(batch_keys(input_ids, attention_mask)):
             ids, rows = self.entry(key)
             for i in self.layers:
                 hidden[i][b, :len(ids)] = rows[i]
+            stored.append(self.logit_rows(key))
         device = input_ids.device
-        return TargetFeatures({i: v.to(device) for i, v in hidden.items()}, self.index["num_layers"])
+        logits = None
+        if self.logits["mode"] != "none":  # one scatter for the batch: rows of real tokens, in batch order
+            real = attention_mask.bool().cpu()
+            logits = torch.zeros(B, T, self.index["vocab_size"])
+            logits[real] = dense_logits({k: torch.cat([s[k] for s in stored]) for k in stored[0]},
+                                        self.index["vocab_size"])
+            logits = logits.to(device)
+        return TargetFeatures({i: v.to(device) for i, v in hidden.items()}, self.index["num_layers"], logits)
 
     def validate(self, target, samples: int = 4, seed: int = 0) -> float:
-        """Recompute `samples` random entries with the target; -> the worst relative L2 error. Raises
-        HiddenCacheError above the dtype's tolerance (wrong weights, corrupted data)."""
+        """Recompute `samples` random entries with the target; -> the worst relative L2 error of their
+        hidden states and stored logits. Raises HiddenCacheError above the dtype's tolerance (wrong weights,
+        corrupted data)."""
         keys = random.Random(seed).sample(self.keys(), min(samples, len(self)))
         model = target.model
         device = next(model.parameters()).device
-        worst = 0.0
+        with_logits = self.logits["mode"] != "none"
+        worst = {"hidden states": 0.0, "logits": 0.0}
         for key in keys:
             ids, cached = self.entry(key)
-            fresh = compute_features(model, ids.long()[None].to(device), None, self.layers)
+            fresh = compute_features(model, ids.long()[None].to(device), None, self.layers, with_logits)
             for i in self.layers:
                 ref = fresh.hidden_states[i][0].float().cpu()
                 err = float((cached[i].float() - ref).norm() / ref.norm().clamp_min(1e-12))
-                worst = max(worst, err)
+                worst["hidden states"] = max(worst["hidden states"], err)
+            if with_logits:
+                worst["logits"] = max(worst["logits"], logits_error(self.logit_rows(key), fresh.logits[0].cpu()))
         tol = REL_TOL[self.dtype]
-        if worst > tol:
-            raise HiddenCacheError(f"{self.dir}: cached hidden states differ from target {target.spec.name!r} "
-                                   f"(relative error {worst:.3g} > {tol:g}): the cache was built with other "
-                                   f"weights or is corrupted; rebuild it")
-        return worst
+        for what, err in worst.items():
+            if err > tol:
+                raise HiddenCacheError(f"{self.dir}: cached {what} differ from target {target.spec.name!r} "
+                                       f"(relative error {err:.3g} > {tol:g}): the cache was built with other "
+                                       f"weights or is corrupted; rebuild it")
+        return max(worst.values())
 
 
 class OfflineFeatureSource:
     """callable(batch) -> TargetFeatures read from the cache (what make_feature_source returns offline)."""
 
-    def __init__(self, directory, target, layers: list[int], with_logits: bool = False, validate_samples: int = 2):
-        self.cache = HiddenStateCache(directory, target, layers)
+    def __init__(self, directory, target, layers: list[int], with_logits: bool = False, validate_samples: int = 2,
+                 logits: str | None = None, topk: int = 64):
+        self.cache = HiddenStateCache(directory, target, layers, logits, topk)
         self.cache.validate(target, validate_samples)
         self.with_logits = with_logits
         self.lm_head = target.model.get_output_embeddings()
@@ -333,7 +460,7 @@ class OfflineFeatureSource:
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> TargetFeatures:
-        feats = self.cache.features(batch["input_ids"], batch["attention_mask"], self.dtype)
-        if self.with_logits:  # the target's own logits: its LM head on the final-normed last hidden state
+        feats = self.cache.features(batch["input_ids"], batch["attention_mask"], self.dtype)  # + stored logits
+        if self.with_logits and feats.logits is None:  # its LM head on the final-normed last hidden state
             feats.logits = self.lm_head(feats.last_hidden).float()  # [B, T, V]
         return feats
