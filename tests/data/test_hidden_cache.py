@@ -197,7 +197,8 @@ def test_stored_logits_read_back_as_dense_target_logits(target, data, logit_cach
         ref, a, b = online(batch).logits, full(batch).logits, top8(batch).logits
         real = batch["attention_mask"].bool()
         torch.testing.assert_close(a[real], ref[real], rtol=1e-5, atol=1e-5)
-        assert (a[~real] == 0).all() and (b[~real] == 0).all()  # padding: finite, uniform
+        for pad in a[~real], b[~real]:  # padding: no loss looks there, but no NaN may come from it either
+            assert not pad.log_softmax(-1).isnan().any()
         kept = torch.isfinite(b[real])
         assert (kept.sum(-1) == 8).all()
         assert torch.equal(kept, torch.zeros_like(kept).scatter(-1, ref[real].topk(8).indices, True))

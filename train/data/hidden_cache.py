@@ -110,13 +110,21 @@ def logit_rows(logits: Tensor, ident: dict, dtype: torch.dtype) -> dict[str, Ten
     return {"logits": logits.to(dtype)} if ident["mode"] == "full" else {}
 
 
+def logit_fields(ident: dict, vocab_size: int) -> dict[str, tuple[int, torch.dtype]]:
+    """The shard tensors of a logit mode: name -> (width, dtype as read back)."""
+    if ident["mode"] == "topk":
+        return {"logits.values": (ident["k"], torch.float32), "logits.indices": (ident["k"], torch.int64)}
+    return {"logits": (vocab_size, torch.float32)} if ident["mode"] == "full" else {}
+
+
 def dense_logits(rows: dict[str, Tensor], vocab_size: int) -> Tensor:
-    """Stored rows -> logits [n, V] fp32; top-k: -inf outside the stored ids (softmax renormalises)."""
+    """Stored rows [..., k or V] -> logits [..., V] fp32; top-k: -inf outside the stored ids, so the
+    softmax renormalises over them (one scatter, on whichever device the rows are)."""
     if "logits" in rows:
         return rows["logits"].float()
-    values = rows["logits.values"]  # [n, k]
-    full = torch.full((values.shape[0], vocab_size), float("-inf"))
-    return full.scatter_(-1, rows["logits.indices"].long(), values.float())
+    values = rows["logits.values"].float()  # [..., k]
+    full = values.new_full(values.shape[:-1] + (vocab_size,), float("-inf"))
+    return full.scatter_(-1, rows["logits.indices"].long(), values)
 
 
 def logits_error(rows: dict[str, Tensor], fresh: Tensor) -> float:
@@ -395,29 +403,26 @@ class HiddenStateCache:
 
     def logit_rows(self, key: str) -> dict[str, Tensor]:
         """The example's stored logits: {} | {"logits.values", "logits.indices"} [T, k] | {"logits"} [T, V]."""
-        names = {"none": [], "topk": ["logits.values", "logits.indices"], "full": ["logits"]}[self.logits["mode"]]
+        names = list(logit_fields(self.logits, self.index["vocab_size"]))
         return self._rows(key, names) if names else {}
 
     def features(self, input_ids: Tensor, attention_mask: Tensor, dtype: torch.dtype) -> TargetFeatures:
         """The cached features of a right-padded batch [B, T] (zeros at padding), with the stored logits
-        [B, T, V] fp32 (zeros at padding: a uniform, finite target there) unless the mode is none."""
+        as dense [B, T, V] fp32 unless the mode is none (finite at padding, where no loss looks)."""
         B, T = input_ids.shape
-        h = self.index["hidden_size"]
+        h, V = self.index["hidden_size"], self.index["vocab_size"]
         hidden = {i: torch.zeros(B, T, h, dtype=dtype) for i in self.layers}
-        stored = []
+        fields = logit_fields(self.logits, V)
+        stored = {name: torch.zeros(B, T, width, dtype=kind) for name, (width, kind) in fields.items()}
         for b, key in enumerate(batch_keys(input_ids, attention_mask)):
             ids, rows = self.entry(key)
             for i in self.layers:
                 hidden[i][b, :len(ids)] = rows[i]
-            stored.append(self.logit_rows(key))
+            for name, rows in self.logit_rows(key).items():
+                stored[name][b, :len(ids)] = rows
         device = input_ids.device
-        logits = None
-        if self.logits["mode"] != "none":  # one scatter for the batch: rows of real tokens, in batch order
-            real = attention_mask.bool().cpu()
-            logits = torch.zeros(B, T, self.index["vocab_size"])
-            logits[real] = dense_logits({k: torch.cat([s[k] for s in stored]) for k in stored[0]},
-                                        self.index["vocab_size"])
-            logits = logits.to(device)
+        # top-k goes to the device as [B, T, k] and is scattered there: V/k times less to move than dense
+        logits = dense_logits({name: t.to(device) for name, t in stored.items()}, V) if stored else None
         return TargetFeatures({i: v.to(device) for i, v in hidden.items()}, self.index["num_layers"], logits)
 
     def validate(self, target, samples: int = 4, seed: int = 0) -> float:
