@@ -37,6 +37,7 @@ from heads.target import Target, TargetError, TargetSpec, target_parts
 HEAD_REGISTRY: dict[str, type["DraftHead"]] = {}
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+COUNTS_NAME = "token_counts.safetensors"  # training token frequencies: the inference draft vocabulary
 FORMAT_VERSION = 1
 
 
@@ -144,6 +145,11 @@ class DraftHead(nn.Module):
         each node. Nodes attend to the committed context and their own ancestors only.
     draft_end(self, state) -> None
         forget this round's tree (the committed context stays).
+
+    Draft vocabulary (inference only): `set_draft_vocab(k)` makes every draft read-out (`readout`) score
+    only the k most frequent training tokens (`token_counts`, saved beside the weights), so a draft step
+    reads k rows of the [V, h] read-out matrix instead of V; other tokens get -inf (never proposed;
+    verification stays lossless since the verifier only needs *some* proposal). Training never restricts.
     """
 
     kind: ClassVar[str] = ""
@@ -154,6 +160,10 @@ class DraftHead(nn.Module):
         self.options = dict(options)
         self.target_spec: TargetSpec | None = None
         object.__setattr__(self, "frozen", {})  # borrowed target modules: never registered, never saved
+        self.token_counts: Tensor | None = None  # [V] loss-masked training token frequencies
+        self.draft_vocab: Tensor | None = None  # [k] ascending target ids drafts may use (None: all)
+        self.acceptance: list[float] = []  # per-depth top-1 acceptance measured at its last validation
+        object.__setattr__(self, "_rows", {})  # read-out matrix id -> (its rows for draft_vocab, their slots)
 
     # ---------------------------------------------------------------------- building and attaching
     @classmethod
@@ -195,6 +205,51 @@ class DraftHead(nn.Module):
     def target_logits(self, hidden: Tensor) -> Tensor:  # [..., h] -> [..., V]
         return self.frozen["lm_head"](hidden)
 
+    # ------------------------------------------------------------------- draft vocabulary (inference)
+    def set_draft_vocab(self, size: int | None) -> None:
+        """Draft among the `size` most frequent training tokens (ties, and heads saved without counts:
+        lower ids first, i.e. BPE merge order, which tracks frequency); None or >= V: the whole vocabulary."""
+        V = self.target_config.vocab_size
+        self._rows.clear()
+        if size is None or size >= V:
+            self.draft_vocab = None
+            return
+        if size < 1:
+            raise HeadError(f"draft_vocab must be >= 1 (or null for the whole vocabulary), got {size}")
+        counts = self.token_counts if self.token_counts is not None else torch.zeros(V, dtype=torch.long)
+        ranking = torch.sort(counts.long().cpu(), descending=True, stable=True).indices
+        self.draft_vocab = ranking[:size].sort().values
+
+    def readout_rows(self, num_rows: int, row_ids: Tensor | None = None) -> int:
+        """How many rows of a read-out matrix (num_rows rows scoring `row_ids`) a draft step reads."""
+        if self.draft_vocab is None:
+            return num_rows
+        ids = torch.arange(num_rows) if row_ids is None else row_ids.cpu()
+        return int(torch.isin(ids, self.draft_vocab).sum())
+
+    def draft_level_params(self) -> int:
+        """Weights one draft level reads (one tree depth; a memory-bound decode step reads each weight
+        once): by default every weight of the head plus the target's LM head rows it reads. Heads with one
+        module per depth, or their own read-out, count just what one depth uses."""
+        h = self.target_config.hidden_size
+        return sum(p.numel() for p in self.parameters()) + self.readout_rows(self.target_config.vocab_size) * h
+
+    def readout(self, hidden: Tensor, linear: nn.Linear, row_ids: Tensor | None = None) -> Tensor:
+        """Draft logits [..., V] = linear(hidden [..., h]), a bias-free read-out whose R rows score target
+        ids `row_ids` [R] (None: row r is token r). Under a draft vocabulary only its rows are read."""
+        V = self.target_config.vocab_size
+        if self.draft_vocab is None or self.training:  # the module call keeps ZeRO-3 gathering its weight
+            logits = linear(hidden)
+            return logits if row_ids is None else _scatter_vocab(logits, row_ids, V)
+        weight = linear.weight
+        key = (weight.data_ptr(), tuple(weight.shape))
+        if key not in self._rows:  # once per matrix: the kept rows, contiguous, and the ids they score
+            ids = torch.arange(weight.shape[0]) if row_ids is None else row_ids.cpu()
+            keep = torch.isin(ids, self.draft_vocab).nonzero()[:, 0]
+            self._rows[key] = (weight[keep.to(weight.device)].contiguous(), ids[keep].to(weight.device))
+        rows, ids = self._rows[key]
+        return _scatter_vocab(hidden @ rows.T, ids, V)
+
     # ---------------------------------------------------------------------------- saving and loading
     def head_config(self) -> dict[str, Any]:
         cfg = self.target_config
@@ -206,6 +261,11 @@ class DraftHead(nn.Module):
             "target_shape": {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                              "num_hidden_layers": cfg.num_hidden_layers, "model_type": cfg.model_type},
         }
+
+
+def _scatter_vocab(logits: Tensor, ids: Tensor, vocab_size: int) -> Tensor:  # [..., R] -> [..., V]
+    full = logits.new_full(logits.shape[:-1] + (vocab_size,), float("-inf"))
+    return full.index_copy(-1, ids, logits)
 
 
 def build_head(kind: str, target: Target, **options) -> DraftHead:
@@ -237,6 +297,9 @@ def save_head(head: DraftHead, directory: str | os.PathLike, extra: dict | None 
     try:
         state = {k: v.detach().contiguous().cpu() for k, v in unwrap(head).state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "head_kind": head.kind})
+        counts = unwrap(head).token_counts
+        if counts is not None:
+            save_file({"token_counts": counts.long().cpu().contiguous()}, str(tmp / COUNTS_NAME))
         config = dict(unwrap(head).head_config(), **(extra or {}))
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, default=str) + "\n")
         if directory.exists():
@@ -291,8 +354,37 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, device
     if missing or unexpected:
         raise HeadError(f"{directory} does not match a {kind} head with these options: "
                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    head.token_counts = _load_counts(Path(directory) / COUNTS_NAME, target.config.vocab_size)
+    head.acceptance = recorded_acceptance(config)
     dtype = next(target.model.parameters()).dtype
     return head.to(device=device, dtype=dtype).eval()
+
+
+def recorded_acceptance(config: dict) -> list[float]:
+    """Per-depth chain acceptance from the head's last validation (config.json training.validation
+    acc_depth_1, acc_depth_2, ...), up to the first depth that was not measured (missing or 0)."""
+    validation = (config.get("training") or {}).get("validation") or {}
+    rates = []
+    while validation.get(f"acc_depth_{len(rates) + 1}"):
+        rates.append(float(validation[f"acc_depth_{len(rates) + 1}"]))
+    return rates
+
+
+def _load_counts(path: Path, vocab_size: int) -> Tensor | None:
+    """The training token counts saved with a head (heads saved before they were kept have none)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return None
+    try:
+        counts = load_file(str(path))["token_counts"]
+    except (SafetensorError, OSError, KeyError) as exc:
+        raise HeadError(f"{path} is corrupted or unreadable ({exc}): delete it to draft over the whole "
+                        f"vocabulary, or re-train the head") from exc
+    if counts.shape != (vocab_size,):
+        raise HeadError(f"{path} holds counts for {counts.shape[0]} tokens, the target has {vocab_size}")
+    return counts
 
 
 def check_fits_target(config: dict, target: Target, where) -> None:

@@ -62,7 +62,7 @@ class EagleHead(OneLayerDrafting, DraftHead):
         return feats.last_hidden
 
     def vocab_logits(self, out: Tensor) -> Tensor:
-        return self.target_logits(out)
+        return self.readout(out, self.frozen["lm_head"])
 
     # ----------------------------------------------------------------------------------- training
     def forward(self, input_ids: Tensor, loss_mask: Tensor, feats: TargetFeatures):

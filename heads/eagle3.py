@@ -92,10 +92,6 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         if self.frozen:
             self.init_from_target()
 
-    def to_target_vocab(self, draft_logits: Tensor) -> Tensor:  # [..., Vd] -> [..., V], -inf off-vocab
-        full = draft_logits.new_full(draft_logits.shape[:-1] + (self.target_config.vocab_size,), float("-inf"))
-        return full.index_copy(-1, self.draft_ids, draft_logits)
-
     # ------------------------------------------------------------------------------------ network
     def feature_layers(self) -> list[int]:
         return sorted(set(self.aux_layers) | {self.target_config.num_hidden_layers})
@@ -126,8 +122,13 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
     def begin_hidden(self, feats: TargetFeatures) -> Tensor:
         return self.fuse(feats)
 
+    def draft_level_params(self) -> int:  # the decoder layer + the read-out rows (fc runs on commit only)
+        h = self.target_config.hidden_size
+        layer = sum(p.numel() for p in self.midlayer.parameters())
+        return layer + self.readout_rows(self.draft_vocab_size, self.draft_ids) * h
+
     def vocab_logits(self, out: Tensor) -> Tensor:  # [..., h] -> [..., V] over the target vocabulary
-        return self.to_target_vocab(self.draft_logits(out))
+        return self.readout(self.norm(out), self.lm_head, self.draft_ids)
 
     # ----------------------------------------------------------------------------------- training
     def forward(self, input_ids: Tensor, loss_mask: Tensor, feats: TargetFeatures):

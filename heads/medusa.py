@@ -64,8 +64,12 @@ class MedusaHead(DraftHead):
     def num_depths(self) -> int:
         return len(self.blocks)
 
+    def draft_level_params(self) -> int:  # one residual stack and its own LM head rows per depth
+        h, V = self.target_config.hidden_size, self.target_config.vocab_size
+        return sum(p.numel() for p in self.blocks[0].parameters()) + self.readout_rows(V) * h
+
     def head_logits(self, k: int, feature: Tensor) -> Tensor:  # [..., h] -> [..., V]
-        return self.lm_heads[k](self.blocks[k](feature))
+        return self.readout(self.blocks[k](feature), self.lm_heads[k])
 
     def anchor_logits(self, input_ids: Tensor, feats: TargetFeatures) -> list[Tensor]:
         """Teacher-forced drafts: [d-1] = logits [B, T, V] of the depth-d draft from each anchor c."""

@@ -87,8 +87,12 @@ class MTPHead(DraftHead):
 
         return run
 
+    def draft_level_params(self) -> int:  # one MTP module and the shared LM head rows per depth
+        h, V = self.target_config.hidden_size, self.target_config.vocab_size
+        return sum(p.numel() for p in self.layers[0].parameters()) + self.readout_rows(V) * h
+
     def logits(self, k: int, out: Tensor) -> Tensor:  # [..., h] -> [..., V]
-        return self.target_logits(self.layers[k].shared_head.norm(out))
+        return self.readout(self.layers[k].shared_head.norm(out), self.frozen["lm_head"])
 
     def anchor_logits(self, input_ids: Tensor, feats: TargetFeatures) -> list[Tensor]:
         """Teacher-forced drafts: [d-1] = logits [B, T, V] of the depth-d draft (module d at anchor c)."""

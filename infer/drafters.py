@@ -2,7 +2,10 @@
 
 Engine-facing interface (all tensors batched over B rows, rows ragged):
     feature_layers() -> list[int]     target hidden_states indices the drafter needs at commit
-    max_nodes(budget) -> int          tree nodes (root included) it will propose under a budget
+    plan(budget, batch_size, target_params) -> int
+                                      tree nodes (root included) per row for a batch on this machine
+                                      (budget: infer.calibrate.TreeBudget, the measured T(N) + throttle)
+    max_nodes(budget) -> int          tree nodes (root included) it will propose under a node budget
     reset(prompt [B, P], lengths [B], max_len, sampling)   a new generation
     commit(tokens [B, n], feats, positions [B, n], num_valid [B])
         newly committed context, as in DraftHead.draft_begin: tokens[:, i] is the token after feature
@@ -18,6 +21,9 @@ Drafters:
                                     from_accuracies` derives one from measured per-depth accuracies
         DynamicTree(total_tokens, depth, top_k)   EAGLE-2: expand the top_k nodes by cumulative draft
                                     log-probability per depth, keep the best total_tokens
+        AutoTree(acceptance, top_k, max_depth)    (a head's default) the static tree with the most expected
+                                    tokens per unit time here: the head's measured per-depth acceptance,
+                                    the target's measured T(N) and the draft cost per level
     PromptLookup(gamma, max_ngram, min_ngram)   n-gram match in the context (no model)
 
 Deterministic children (top-k) always carry distinct sibling tokens and propose with draft_probs=None
@@ -35,6 +41,7 @@ from torch import Tensor
 from heads.base import DraftHead, HeadError
 from heads.target import Target
 from infer.kv_cache import PagedKVCache
+from infer.roofline import best_tree
 from infer.sampling import sample, warp_probs
 from infer.tree import attention_mask, chain_parents
 
@@ -61,6 +68,13 @@ class Sampling:
 class Drafter:
     def feature_layers(self) -> list[int]:
         return []
+
+    def plan(self, budget, batch_size: int, target_params: int) -> int:
+        return self.max_nodes(budget.max_tokens(batch_size))
+
+    def describe(self) -> dict:
+        """What drafts, for reports (eval.json "draft")."""
+        return {"drafter": type(self).__name__}
 
     def max_nodes(self, budget: int) -> int:
         raise NotImplementedError
@@ -89,6 +103,13 @@ class HeadProposer:
     def max_depth(self) -> int | None:
         return self.head.max_draft_depth
 
+    @property
+    def acceptance(self) -> list[float]:
+        return self.head.acceptance
+
+    def level_params(self) -> int:
+        return self.head.draft_level_params()
+
     def feature_layers(self) -> list[int]:
         return list(self.head.feature_layers())
 
@@ -115,6 +136,7 @@ class DraftModelProposer:
     appends tree nodes after them (tree mask: context + ancestors + self), `end` rolls them back."""
 
     max_depth = None
+    acceptance: list[float] = []  # unknown: AutoTree falls back to its prior
 
     def __init__(self, model, block_size: int = 16):
         self.model = model.eval()
@@ -124,6 +146,9 @@ class DraftModelProposer:
 
     def feature_layers(self) -> list[int]:
         return []
+
+    def level_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
 
     def reset(self, prompt: Tensor, lengths: Tensor, max_len: int) -> None:
         self.cache = PagedKVCache.for_model(self.model.config, batch_size=prompt.shape[0],
@@ -344,6 +369,47 @@ class DynamicTree:
                        min(self.total_tokens, max_nodes))
 
 
+class AutoTree:
+    """The static tree with the most expected tokens per unit time for this proposer on this machine
+    (infer.roofline.best_tree, then StaticTree.from_accuracies), planned per batch size from:
+      acceptance   per-depth top-1 acceptance: given, else the head's last validation, else PRIOR;
+      T(N)         the target's measured latency curve (the engine's TreeBudget; flat without one);
+      draft cost   c = weights one draft level reads / the target's weights (decoding reads every weight
+                   once per step, so a level costs c plain steps), or `draft_cost` if given.
+    The batch-size throttle of the budget caps the tree; a plan of no nodes means plain decoding."""
+
+    PRIOR = (0.6, 0.5, 0.4, 0.35, 0.3)  # a trained head's typical rates, used when nothing was measured
+
+    def __init__(self, acceptance=None, top_k: int = 4, max_depth: int = 6, draft_cost: float | None = None):
+        if top_k < 1 or max_depth < 1:
+            raise ValueError("auto tree needs top_k and max_depth >= 1")
+        self.acceptance = [float(a) for a in acceptance] if acceptance else None
+        self.top_k, self.max_depth, self.draft_cost = top_k, max_depth, draft_cost
+        self.tree, self.planned = StaticTree([(0,)]), None
+
+    def plan(self, proposer, budget, batch_size: int, target_params: int) -> None:
+        depth = min(self.max_depth, proposer.max_depth or self.max_depth)
+        rates = (self.acceptance or proposer.acceptance or list(self.PRIOR))[:depth]
+        cost = self.draft_cost if self.draft_cost is not None else proposer.level_params() / target_params
+        cap = budget.max_tokens(batch_size)
+        plain = budget.latency(batch_size) if budget.curve else 1.0
+
+        def latency(nodes: Tensor) -> Tensor:  # a step verifying `nodes` tokens per row, in plain steps
+            if not budget.curve:
+                return torch.ones(len(nodes), dtype=torch.float64)
+            return torch.tensor([budget.latency(batch_size * int(n)) / plain for n in nodes], dtype=torch.float64)
+
+        self.planned = best_tree(rates, latency, cost, max_nodes=max(cap - 1, 0), top_k=self.top_k)
+        if self.planned.size:
+            self.tree = StaticTree.from_accuracies(rates, total_nodes=self.planned.size + 1, top_k=self.top_k)
+
+    def size(self, max_depth: int | None) -> int:
+        return 1 + self.planned.size if self.planned else self.tree.size(max_depth)
+
+    def build(self, proposer, root, logits, hidden, max_nodes, last_pos, sampling):
+        return self.tree.build(proposer, root, logits, hidden, max_nodes, last_pos, sampling)
+
+
 def _select(tok: Tensor, score: Tensor, parent: Tensor, root: Tensor, total: int):
     """Keep the best total - 1 candidates per row as a tree in creation order (parents first)."""
     B, C = tok.shape
@@ -375,8 +441,24 @@ class TreeDrafter(Drafter):
     def feature_layers(self) -> list[int]:
         return self.proposer.feature_layers()
 
+    def plan(self, budget, batch_size: int, target_params: int) -> int:
+        if hasattr(self.policy, "plan"):
+            self.policy.plan(self.proposer, budget, batch_size, target_params)
+        return self.max_nodes(budget.max_tokens(batch_size))
+
     def max_nodes(self, budget: int) -> int:
         return max(1, min(budget, self.policy.size(self.proposer.max_depth)))
+
+    def describe(self) -> dict:
+        info = {"drafter": type(self.proposer).__name__, "policy": type(self.policy).__name__}
+        head = getattr(self.proposer, "head", None)
+        if head is not None:
+            info["draft_vocab"] = None if head.draft_vocab is None else len(head.draft_vocab)
+        plan = getattr(self.policy, "planned", None)
+        if plan is not None:  # the last plan: what the cost model expected
+            info.update(nodes=plan.size + 1, depth=plan.depth, expected_tau=round(plan.expected_tokens, 3),
+                        predicted_speedup=round(plan.speedup, 3))
+        return info
 
     def reset(self, prompt, lengths, max_len, sampling=None):
         self.sampling = sampling or Sampling()
@@ -406,6 +488,9 @@ class PromptLookup(Drafter):
 
     def max_nodes(self, budget):
         return max(1, min(budget, self.gamma + 1))
+
+    def describe(self) -> dict:
+        return {"drafter": "PromptLookup", "gamma": self.gamma, "ngram": [self.min_ngram, self.max_ngram]}
 
     def reset(self, prompt, lengths, max_len, sampling=None):
         self.history = torch.full((prompt.shape[0], max_len + 1), -1, dtype=torch.long)
@@ -447,16 +532,22 @@ class PromptLookup(Drafter):
 
 # ================================================================================= construction
 
-POLICIES = {"chain": Chain, "static": StaticTree, "dynamic": DynamicTree}
+# Drafts read this many rows of the read-out instead of the whole vocabulary: the most frequent training
+# tokens cover ~88% of held-out tokens at 8k on SmolLM2 (49k vocab) for a sixth of the read-out cost.
+DEFAULT_DRAFT_VOCAB = 8192
+
+POLICIES = {"chain": Chain, "static": StaticTree, "dynamic": DynamicTree, "auto": AutoTree}
 
 
 def build_drafter(kind: str, target=None, *, head: DraftHead | None = None, draft_model=None,
-                  policy: str | None = None, **options) -> Drafter:
+                  policy: str | None = None, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
+                  **options) -> Drafter:
     """kind: "prompt_lookup" | "draft_model" | "head". Options go to the policy (chain: gamma, sample;
     static: choices, or accuracies (per-depth acceptance, e.g. an eval.json's acceptance_by_depth) +
-    total_nodes + top_k; dynamic: total_tokens, depth, top_k) or to PromptLookup (gamma, max_ngram,
-    min_ngram). A head's default policy is a dynamic tree (a chain for heads limited to few depths is
-    also fine: the depth is capped by head.max_draft_depth); a draft model's default is a chain."""
+    total_nodes + top_k; dynamic: total_tokens, depth, top_k; auto: acceptance, top_k, max_depth,
+    draft_cost) or to PromptLookup (gamma, max_ngram, min_ngram). A head's default policy is `auto` (the
+    tree sized for this machine, see AutoTree); a draft model's default is a chain. `draft_vocab`: a head
+    drafts among its `draft_vocab` most frequent training tokens (None: the whole vocabulary)."""
     if kind == "prompt_lookup":
         return PromptLookup(**options)
     if kind == "draft_model":
@@ -470,7 +561,8 @@ def build_drafter(kind: str, target=None, *, head: DraftHead | None = None, draf
     if kind == "head":
         if head is None:
             raise HeadError("drafter=head needs a head (heads.base.load_head(RUN/final))")
-        return TreeDrafter(HeadProposer(head), _policy(policy or "dynamic", options))
+        head.set_draft_vocab(draft_vocab)
+        return TreeDrafter(HeadProposer(head), _policy(policy or "auto", options))
     raise HeadError(f"unknown drafter {kind!r}: choose prompt_lookup, draft_model or head")
 
 

@@ -153,6 +153,7 @@ class SpeculativeEngine:
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.num_layers = self.model.config.num_hidden_layers
+        self.num_params = sum(p.numel() for p in self.model.parameters())  # what one decode step reads
         eos = eos_token_id if eos_token_id is not None else _eos_ids(self.model, self.tokenizer)
         eos = [eos] if isinstance(eos, int) else eos
         self.eos = torch.tensor(sorted(set(eos)) if eos else [-2], dtype=torch.long)
@@ -224,7 +225,9 @@ class _Run:
         self.prompt = torch.zeros(self.B, int(self.lens.max()), dtype=torch.long)
         for b, p in enumerate(prompts):  # once per call, not in the decoding loop
             self.prompt[b, :len(p)] = torch.tensor(p, dtype=torch.long)
-        self.nodes = drafter.max_nodes(self.e.budget.max_tokens(self.B)) if drafter else 1
+        self.nodes = drafter.plan(self.e.budget, self.B, engine.num_params) if drafter else 1
+        if self.nodes <= 1:  # drafting cannot pay here (batch throttle or cost model): decode plainly
+            drafter = self.drafter = None
         # a row holds its prompt, its max_new_tokens and one tree in flight; in a speculative batch a row
         # that finished early rides along one token per step for at most max_new_tokens more steps
         ride_along = max_new_tokens if drafter and self.B > 1 else 0

@@ -231,7 +231,7 @@ def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]],
     return total, by_cat, matches
 
 
-def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: int) -> dict:
+def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: int, draft: dict | None = None) -> dict:
     """The eval.json dict (schema in the module docstring)."""
     tps = {m: total.tokens_per_second(m) for m in ("speculative", *BASELINES)}
     if "vanilla" not in cfg.baselines:
@@ -249,6 +249,7 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "speedup_vs_vanilla": ratio("vanilla"),
         "speedup_vs_hf_generate": ratio("hf_generate"),
         "greedy_match": matches / total.prompts if cfg.temperature == 0 else None,
+        "draft": draft or {},  # the drafter and, for planned trees, the size and the speedup it predicted
     }
 
 
@@ -269,6 +270,8 @@ def print_report(res: dict, out=print) -> None:
         out(f"{method:<16} {_num(tps, '9.1f')} {_num(speedup, '14.2f')}x")
     if res["greedy_match"] is not None:
         out(f"greedy match with plain decoding: {res['greedy_match']:.3f}")
+    if res.get("draft"):
+        out("draft: " + ", ".join(f"{k} {v}" for k, v in res["draft"].items()))
 
 
 def _num(v, spec: str) -> str:
@@ -340,7 +343,7 @@ def evaluate(cfg, out=print) -> dict:
     out(f"evaluating {head_name} on {target.spec.name}: {len(rows)} prompts from {cfg.prompts}, "
         f"temperature {cfg.temperature}, max_new_tokens {cfg.max_new_tokens}, {device}")
     total, by_cat, matches = measure(cfg, target, drafter, rows, prompt_ids, out)
-    res = results(cfg, target, head_name, total, by_cat, matches)
+    res = results(cfg, target, head_name, total, by_cat, matches, drafter.describe())
     print_report(res, out)
     written = write_results(res, Path(cfg.output) if cfg.output else default_output(cfg), cfg.plot)
     out("wrote " + ", ".join(str(p) for p in written))

@@ -9,8 +9,6 @@ the head turns them into its loss.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import time
@@ -150,15 +148,12 @@ def with_hidden_cache(data_cfg, accelerator: Accelerator, target, datasets, laye
     epoch after the first costs only the head's own compute."""
     if data_cfg.hidden_states != "offline" or data_cfg.hidden_cache:
         return data_cfg
-    from heads.target import cache_root
-    from train.data.hidden_cache import build_cache
+    from train.data.hidden_cache import auto_cache_dir, build_cache
 
-    dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
-    wanted = sorted(set(layers) | {target.num_layers})
-    spec = hashlib.sha256(json.dumps(target.spec.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
-    directory = cache_root() / "hidden" / f"{target.spec.name}-{spec}-{dtype}-L{'_'.join(map(str, wanted))}"
+    directory = auto_cache_dir(target, layers, data_cfg.cache_logits, data_cfg.logits_topk)
     if accelerator.is_main_process:
-        stats = build_cache(directory, target, datasets, wanted)
+        stats = build_cache(directory, target, datasets, sorted(set(layers) | {target.num_layers}),
+                            logits=data_cfg.cache_logits, topk=data_cfg.logits_topk)
         log.info("hidden-state cache %s: %s", directory, stats)
     accelerator.wait_for_everyone()
     data_cfg = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))
@@ -175,7 +170,8 @@ def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
                                       main_process_first=accelerator.main_process_first)
     set_seed(t.seed)  # the same head initialisation on every rank
     head = build_head(cfg.head.kind, target, **OmegaConf.to_container(cfg.head.options, resolve=True))
-    head.init_from_data(token_counts(train_ds, target.config.vocab_size))
+    head.token_counts = token_counts(train_ds, target.config.vocab_size)  # saved: the draft vocabulary
+    head.init_from_data(head.token_counts)
     data_cfg = with_hidden_cache(cfg.data, accelerator, target, [train_ds, val_ds], head.feature_layers())
     features = make_feature_source(data_cfg, target, head.feature_layers())
     optimizer = make_optimizer(head, cfg.optim)

@@ -18,7 +18,7 @@ from infer import evaluate as ev
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"path": "tiny-random", "name": "tiny-random"}
 SCHEMA = {"target", "head", "temperature", "num_prompts", "tau", "acceptance_by_depth", "by_category",
-          "tokens_per_second", "speedup_vs_vanilla", "speedup_vs_hf_generate", "greedy_match"}
+          "tokens_per_second", "speedup_vs_vanilla", "speedup_vs_hf_generate", "greedy_match", "draft"}
 PROMPTS = [{"prompt": "Name three colours.", "category": "writing"},
            {"prompt": "abc abc abc abc abc", "category": "coding"},
            {"prompt": "What is 2 + 2?"}]  # no category: counted as "general"
@@ -51,9 +51,10 @@ def quiet(*_):
 def test_eval_json_schema_and_greedy_output_equals_plain(head_dir, prompts_file, tmp_path):
     out = tmp_path / "out"
     res = ev.evaluate(make_cfg(f"checkpoint={head_dir}", f"prompts={prompts_file}", "temperature=0",
-                               f"output={out}"), out=quiet)
+                               f"output={out}", "+draft.policy=dynamic"), out=quiet)
     written = json.loads((out / "eval.json").read_text())
     assert written == res and set(written) == SCHEMA
+    assert written["draft"]["policy"] == "DynamicTree" and written["acceptance_by_depth"]  # it drafted
     assert written["target"] == "tiny-random" and written["head"] == "medusa"
     assert written["num_prompts"] == 3 and written["temperature"] == 0.0
     assert written["greedy_match"] == 1.0  # lossless: greedy speculative output == plain decoding

@@ -7,7 +7,7 @@ import torch
 from heads.base import build_head
 from heads.target import build_tiny_random, load_target
 from infer.calibrate import TreeBudget
-from infer.drafters import DynamicTree, StaticTree, build_drafter
+from infer.drafters import Drafter, DynamicTree, StaticTree, build_drafter
 from infer.engine import SpeculativeEngine
 
 NEW = 24
@@ -159,7 +159,7 @@ def test_sampling_keeps_the_targets_joint_distribution(target, policy, opts):
     assert chisquare(counts.numpy(), expected.numpy() / expected.sum().item() * rows).pvalue > 1e-4
 
 
-class Oracle:
+class Oracle(Drafter):
     """Proposes the plain greedy continuation for row 0 (always accepted) and junk for the others."""
 
     def __init__(self, continuation, gamma=4):

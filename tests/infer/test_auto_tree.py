@@ -1,0 +1,71 @@
+"""The default tree policy plans the tree from measured acceptance, the target's T(N) and the draft cost:
+cheap drafting and good heads get big trees, expensive drafting or slow wide steps get small ones or none."""
+
+import torch
+
+from heads.base import build_head, load_head, save_head
+from heads.target import load_target
+from infer.calibrate import TreeBudget
+from infer.drafters import AutoTree, build_drafter
+from infer.engine import SpeculativeEngine
+
+
+class Proposer:  # what AutoTree reads from a proposer
+    def __init__(self, acceptance=(), level_params=10, max_depth=None):
+        self.acceptance, self._params, self.max_depth = list(acceptance), level_params, max_depth
+
+    def level_params(self):
+        return self._params
+
+
+def planned(policy, proposer, budget, batch_size=1, target_params=1000):
+    policy.plan(proposer, budget, batch_size, target_params)
+    return policy.planned
+
+
+def test_cheap_drafts_and_a_flat_curve_give_a_big_deep_tree():
+    plan = planned(AutoTree(), Proposer([0.8, 0.7, 0.6, 0.5], level_params=1), TreeBudget(max_nodes=32))
+    assert plan.size == 31 and plan.depth == 4
+
+
+def test_a_draft_level_costing_a_target_step_means_no_drafting():
+    plan = planned(AutoTree(), Proposer([0.3, 0.2], level_params=1000), TreeBudget(max_nodes=32))
+    assert plan.size == 0
+
+
+def test_a_steep_latency_curve_shrinks_the_tree():
+    flat = TreeBudget(max_nodes=64, curve={1: 1.0, 64: 1.0})
+    steep = TreeBudget(max_nodes=64, curve={1: 1.0, 2: 1.05, 4: 1.2, 8: 1.6, 16: 2.0, 64: 8.0})
+    head = Proposer([0.7, 0.6, 0.5, 0.4], level_params=50)
+    assert planned(AutoTree(), head, steep).size < planned(AutoTree(), head, flat).size
+
+
+def test_the_batch_throttle_caps_the_tree():
+    budget = TreeBudget(max_nodes=64)  # static throttle: one node (no drafting) past batch 32
+    assert planned(AutoTree(), Proposer([0.9, 0.9]), budget, batch_size=64).size == 0
+
+
+def test_given_acceptance_overrides_the_heads_and_depth_is_capped_by_the_head():
+    policy = AutoTree(acceptance=[0.9, 0.9, 0.9, 0.9, 0.9], top_k=1)
+    plan = planned(policy, Proposer([0.1], level_params=1, max_depth=3), TreeBudget(max_nodes=16))
+    assert plan.depth == 3 and plan.size == 3  # a chain: top_k 1, three depths
+
+
+def test_the_recorded_validation_acceptance_is_loaded_with_the_head(tmp_path):
+    target = load_target({"path": "tiny-random", "name": "tiny-random"})
+    head = build_head("eagle", target)
+    validation = {"loss": 1.0, "acc_depth_1": 0.5, "acc_depth_2": 0.25, "acc_depth_3": 0.0}
+    save_head(head, tmp_path / "final", extra={"training": {"validation": validation}})
+    assert load_head(tmp_path / "final", target).acceptance == [0.5, 0.25]  # depth 3 never measured
+
+
+def test_an_auto_tree_engine_plans_from_the_budget_and_stays_lossless():
+    target = load_target({"path": "tiny-random", "name": "tiny-random"})
+    torch.manual_seed(0)
+    drafter = build_drafter("head", target, head=build_head("mtp", target), acceptance=[0.9, 0.8, 0.7], top_k=2)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    plain = SpeculativeEngine(target).generate(prompts, max_new_tokens=12, stop_on_eos=False).tokens
+    engine = SpeculativeEngine(target, drafter, budget=TreeBudget(max_nodes=16))
+    out = engine.generate(prompts, max_new_tokens=12, stop_on_eos=False)
+    assert out.tokens == plain
+    assert drafter.policy.planned.size >= 2  # mtp (2 depths) at rates 0.9/0.8: drafting pays
