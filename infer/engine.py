@@ -33,8 +33,9 @@ One decoding step (gpt-fast style, everything vectorised over the batch):
                   tokens + the target's hidden states at the accepted nodes)
 Stats: tau = tokens emitted per target verification forward (bonus included, micro-averaged over all
 row-steps), acceptance_by_depth = P(depth d accepted | depth d-1 accepted), target forwards, tokens/s.
-The tree budget per step comes from `TreeBudget` (batch-size throttle + the measured latency curve T(N),
-see infer/calibrate.py).
+The tree size comes from `drafter.plan(budget, B, target_params)`: `TreeBudget` (batch-size throttle + the
+measured latency curve T(N), see infer/calibrate.py) caps it, and a head's default policy (AutoTree) picks
+the tree with the most expected tokens per unit time; a plan of one node (no drafts) decodes plainly.
 """
 
 from __future__ import annotations

@@ -49,8 +49,9 @@ def make_drafter(args, target):
     from heads.base import load_head
     from infer.drafters import build_drafter
 
-    if args.head:
-        return build_drafter("head", target, head=load_head(args.head, target, device=args.device)), "head"
+    if args.head:  # a fixed-shape tree: the throttle, not the cost-planned policy, is what this measures
+        head = load_head(args.head, target, device=args.device)
+        return build_drafter("head", target, head=head, policy="dynamic"), "head"
     return build_drafter("prompt_lookup", target), "prompt_lookup"
 
 

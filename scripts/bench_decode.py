@@ -13,6 +13,11 @@ whether every output equals the engine's plain decoding.
     python scripts/bench_decode.py --all-prompts            # every held-out prompt (slow on a CPU)
     python scripts/bench_decode.py --device cuda --dtype bf16
     python scripts/bench_decode.py --quick                  # tiny random target (smoke test)
+    python scripts/bench_decode.py --heads runs/eagle/final --tree policy=dynamic total_tokens=8 depth=3 top_k=3
+
+Heads draft with the engine's default (the `auto` policy: a tree planned from the head's measured
+acceptance, this machine's T(N), re-measured at the start of the run, and the draft cost; no tree at all
+when drafting cannot pay) unless --tree gives build_drafter options.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 import bench_common as bc
 import torch
 
+from infer.calibrate import calibrate_latency
 from infer.engine import SpeculativeEngine
 from infer.hf_generate import generation_config, hf_generate
 
@@ -43,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="auto = fp32 on CPU, bf16 on CUDA")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tree", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="drafter options for the heads (infer.drafters.build_drafter), e.g. policy=dynamic top_k=3")
     p.add_argument("--quick", action="store_true", help="tiny random target, 2 prompts, 8 tokens (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -74,6 +82,8 @@ def build_methods(args, target) -> dict:
         def run(ids, temperature, seed):
             out = eng.generate([ids], max_new_tokens=args.max_new_tokens, temperature=temperature, seed=seed)
             return out.tokens[0], out.stats.prefill_s + out.stats.decode_s, out.stats
+        if drafter is not None:
+            run.describe = drafter.describe
         return run
 
     methods = {"hf_generate": hf(None), "hf_prompt_lookup": hf(args.prompt_lookup_tokens),
@@ -90,14 +100,31 @@ def build_methods(args, target) -> dict:
             continue
         name = f"headway_{head.kind}"
         name = name if name not in methods else f"{name}({Path(path).parent.name})"
-        methods[name] = engine(build_drafter("head", target, head=head))
+        methods[name] = engine(build_drafter("head", target, head=head, **tree_options(args.tree)))
     return methods
+
+
+def tree_options(pairs: list[str]) -> dict:
+    """["policy=dynamic", "top_k=3", "draft_vocab=none"] -> {"policy": "dynamic", "top_k": 3, "draft_vocab": None}"""
+    def value(v: str):
+        if v.lower() in ("none", "null"):
+            return None
+        for cast in (int, float):
+            try:
+                return cast(v)
+            except ValueError:
+                pass
+        return v
+    return {k: value(v) for k, v in (p.split("=", 1) for p in pairs)}
 
 
 def measure(args, methods, prompts, temperature) -> list[dict]:
     ids0 = prompts[0][1]
-    for run in methods.values():  # warm-up: one-off setup stays out of the timings
+    for name, run in methods.items():  # warm-up: one-off setup stays out of the timings
         run(ids0, temperature, args.seed)
+        plan = getattr(run, "describe", None)
+        if plan is not None:
+            print(f"{name}: {plan()}")
     tokens = {m: 0 for m in methods}
     seconds = {m: 0.0 for m in methods}
     emitted, steps = {m: 0 for m in methods}, {m: 0 for m in methods}
@@ -129,6 +156,10 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     target = bc.load_bench_target(args.target, args.device, args.dtype)
     prompts = bc.bench_prompts(target.tokenizer, args.prompt_sets, args.per_set)
+    curve = calibrate_latency(target)  # this run's T(N): the engines plan their trees from it
+    t1 = curve[min(curve)]
+    print("target step latency T(N)/T(1), measured now: " +
+          "  ".join(f"N={n}: {t / t1:.2f}" for n, t in sorted(curve.items())))
     methods = build_methods(args, target)
     dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
     print(f"machine: {bc.machine()}; target {target.spec.name} {dtype} on {args.device}, batch 1, "
