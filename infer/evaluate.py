@@ -67,6 +67,7 @@ class EvalConfig:
     baselines: List[str] = field(default_factory=lambda: list(BASELINES))
     seed: int = 0
     device: str = "auto"
+    budget: str = "auto"
     output: Optional[str] = None
     plot: bool = True
 
@@ -99,6 +100,9 @@ def check_config(cfg) -> None:
                         "drafter=prompt_lookup or drafter=draft_model")
     if cfg.drafter != "head" and not no_head:
         raise EvalError(f"drafter={cfg.drafter} evaluates a training-free baseline: pass checkpoint=none")
+    if cfg.budget not in ("auto", "static"):
+        raise EvalError(f"budget must be auto (the measured T(N)) or static (the batch-size throttle only), "
+                        f"got {cfg.budget!r}")
     if cfg.drafter == "draft_model" and not cfg.draft_model:
         raise EvalError("drafter=draft_model needs draft_model=<HF model dir or hub name sharing the tokenizer>")
 
@@ -202,7 +206,7 @@ class Tally:
 
 def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]], out=print):
     """Run every method on every prompt; -> (overall Tally, {category: Tally}, greedy matches)."""
-    spec = SpeculativeEngine(target, drafter)
+    spec = SpeculativeEngine(target, drafter, budget=cfg.budget)
     plain = SpeculativeEngine(target)
     sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                     top_p=cfg.top_p)

@@ -100,7 +100,7 @@ def corrupt(head_dir, tmp_path, how):
 
 @pytest.mark.parametrize("case", ["other_target", "garbage_weights", "missing_weights", "empty_prompts",
                                   "malformed_prompts", "no_prompt_field", "negative_temperature", "top_p_zero",
-                                  "top_p_above_one", "prompt_too_long", "no_checkpoint"])
+                                  "top_p_above_one", "prompt_too_long", "no_checkpoint", "bad_budget"])
 def test_bad_input_raises_one_clear_error_and_writes_nothing(case, head_dir, prompts_file, tmp_path):
     ckpt, prompts, extra = head_dir, prompts_file, []
     if case == "garbage_weights":
@@ -116,7 +116,8 @@ def test_bad_input_raises_one_clear_error_and_writes_nothing(case, head_dir, pro
     elif case == "prompt_too_long":
         prompts.write_text(json.dumps({"prompt": "x" * 2100}) + "\n")  # byte-level: > 2048 positions
     extra = {"negative_temperature": ["temperature=-0.5"], "top_p_zero": ["top_p=0"],
-             "top_p_above_one": ["top_p=1.5"], "no_checkpoint": ["checkpoint=none"]}.get(case, [])
+             "top_p_above_one": ["top_p=1.5"], "no_checkpoint": ["checkpoint=none"],
+             "bad_budget": ["budget=fixed"]}.get(case, [])
     out = tmp_path / "out"
     cfg = make_cfg(f"checkpoint={ckpt}", f"prompts={prompts}", f"output={out}", *extra)
     if case == "other_target":  # the head was trained on hidden 64; this target has hidden 32
