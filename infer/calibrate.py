@@ -119,18 +119,16 @@ def calibrate_latency(target, sizes=DEFAULT_SIZES, context: int = 256, repeats: 
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(vocab, (1, context), generator=gen)
     _forward(model, cache, prompt, causal_ancestors(context), dtype, device)
-    curve = {}
-    for n in sizes:
-        tokens = torch.randint(vocab, (1, n), generator=gen)
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first run warms up
+    tokens = {n: torch.randint(vocab, (1, n), generator=gen) for n in sizes}
+    curve = {n: float("inf") for n in sizes}
+    for _ in range(repeats + 1):  # the first round warms up; sizes interleave so noise hits them alike
+        for n in sizes:
             start = time.perf_counter()
-            _forward(model, cache, tokens, causal_ancestors(n), dtype, device)
+            _forward(model, cache, tokens[n], causal_ancestors(n), dtype, device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - start)
+            curve[n] = min(curve[n], time.perf_counter() - start)
             cache.truncate(torch.tensor([context]))
-        curve[n] = best
     if save:
         _save_curve(target, curve, context)
     return curve
