@@ -41,7 +41,7 @@ from torch import Tensor
 from heads.base import DraftHead, HeadError
 from heads.target import Target
 from infer.kv_cache import PagedKVCache
-from infer.roofline import best_tree
+from infer.roofline import best_tree, rank_rate
 from infer.sampling import sample, warp_probs
 from infer.tree import attention_mask, chain_parents
 
@@ -272,9 +272,9 @@ class StaticTree:
     def from_accuracies(cls, accuracies, total_nodes: int = 32, top_k: int = 10) -> "StaticTree":
         """The tree maximising expected accepted length for measured accuracies: accuracies[d][r] =
         P(rank-r candidate right at depth d+1 | path right so far), or per-depth top-1 rates a_d (then the
-        rank-r rate is modelled as a_d (1 - a_d)^r, as in infer.roofline). Greedy by path probability
+        rank-r rate is modelled by infer.roofline.rank_rate). Greedy by path probability
         (Medusa's construction): a child is never likelier than its parent, so the result is a tree."""
-        rates = [list(a) if hasattr(a, "__len__") else [float(a) * (1 - float(a)) ** r for r in range(top_k)]
+        rates = [list(a) if hasattr(a, "__len__") else [rank_rate(float(a), r + 1) for r in range(top_k)]
                  for a in accuracies]
         heap, chosen = [(-rates[0][0], (0,))], []
         while heap and len(chosen) < total_nodes - 1:

@@ -224,12 +224,19 @@ class TreePlan:
     curve: list[tuple[int, int, float, float]]  # (size, depth, expected tokens, speedup) for every size
 
 
+def rank_rate(a: float, rank: int) -> float:
+    """P(the rank-th (1-based) draft candidate is right | its parent is) for top-1 acceptance a."""
+    return a * (1.0 - a) ** (rank - 1) / rank
+
+
 def tree_path_probs(acceptance: list[float], max_nodes: int, top_k: int = 10) -> list[tuple[float, int]]:
     """The best tree's nodes, best first, as (probability the node is on the accepted path, depth).
 
     `acceptance[d-1]` is the measured conditional rate at depth d of the head's top-1 draft. A lower-ranked
-    sibling r (1-based) is modelled as catching what the higher ranks missed geometrically:
-    P(rank r right) = a_d (1 - a_d)^(r-1). A child is never more likely than its parent, so taking nodes
+    sibling r (1-based) is modelled by `rank_rate`: P(rank r right) = a_d (1 - a_d)^(r-1) / r. (The
+    plain geometric a (1 - a)^(r-1) overstated the lower ranks: four heads trained here with top-1
+    validation rates 0.21-0.27 accepted 0.31-0.39 of depth-1 steps with 3 children, vs 0.51-0.61 geometric
+    and 0.34-0.41 with the 1/r damping.) A child is never more likely than its parent, so taking nodes
     greedily by path probability (Medusa's tree construction) always yields a valid tree and the best
     expected length 1 + sum of path probabilities for every size."""
     out: list[tuple[float, int]] = []
@@ -238,7 +245,7 @@ def tree_path_probs(acceptance: list[float], max_nodes: int, top_k: int = 10) ->
     def push(depth, rank, parent_prob):
         if depth <= len(acceptance) and rank <= top_k:
             a = float(acceptance[depth - 1])
-            heapq.heappush(heap, (-parent_prob * a * (1 - a) ** (rank - 1), depth, rank, parent_prob))
+            heapq.heappush(heap, (-parent_prob * rank_rate(a, rank), depth, rank, parent_prob))
 
     push(1, 1, 1.0)
     while heap and len(out) < max_nodes:

@@ -142,3 +142,10 @@ def test_interpolated_measured_curve():
     assert t(torch.tensor([1, 2, 4, 6, 8, 16])).tolist() == pytest.approx([1.0, 1.0, 1.0, 1.5, 2.0, 4.0])
     noisy = rf.interpolate({1: 1.5, 2: 1.0, 4: 1.2})  # a disturbed T(1) is lowered to T(2)
     assert noisy(torch.tensor([1, 2])).tolist() == pytest.approx([1.0, 1.0])
+
+
+def test_lower_ranked_siblings_are_damped_by_their_rank():
+    from infer.roofline import tree_path_probs
+
+    nodes = tree_path_probs([0.3], max_nodes=3, top_k=3)  # one depth: the three best siblings
+    assert [p for p, _ in nodes] == pytest.approx([0.3, 0.3 * 0.7 / 2, 0.3 * 0.7 ** 2 / 3])
