@@ -376,15 +376,18 @@ class AutoTree:
       T(N)         the target's measured latency curve (the engine's TreeBudget; flat without one);
       draft cost   c = weights one draft level reads / the target's weights (decoding reads every weight
                    once per step, so a level costs c plain steps), or `draft_cost` if given.
-    The batch-size throttle of the budget caps the tree; a plan of no nodes means plain decoding."""
+    The batch-size throttle of the budget caps the tree; a plan of no nodes means plain decoding, chosen too
+    when the best tree's predicted speedup is below `min_gain` (the cost model is approximate)."""
 
     PRIOR = (0.6, 0.5, 0.4, 0.35, 0.3)  # a trained head's typical rates, used when nothing was measured
 
-    def __init__(self, acceptance=None, top_k: int = 4, max_depth: int = 6, draft_cost: float | None = None):
+    def __init__(self, acceptance=None, top_k: int = 4, max_depth: int = 6, draft_cost: float | None = None,
+                 min_gain: float = 1.05):
         if top_k < 1 or max_depth < 1:
             raise ValueError("auto tree needs top_k and max_depth >= 1")
         self.acceptance = [float(a) for a in acceptance] if acceptance else None
         self.top_k, self.max_depth, self.draft_cost = top_k, max_depth, draft_cost
+        self.min_gain = min_gain  # draft only for a predicted speedup this large: the model is approximate
         self.tree, self.planned = StaticTree([(0,)]), None
 
     def plan(self, proposer, budget, batch_size: int, target_params: int) -> None:
@@ -400,6 +403,8 @@ class AutoTree:
             return torch.tensor([budget.latency(batch_size * int(n)) / plain for n in nodes], dtype=torch.float64)
 
         self.planned = best_tree(rates, latency, cost, max_nodes=max(cap - 1, 0), top_k=self.top_k)
+        if self.planned.speedup < self.min_gain:  # a marginal plan: the first, plain row of the curve
+            self.planned = best_tree(rates, latency, cost, max_nodes=0, top_k=self.top_k)
         if self.planned.size:
             self.tree = StaticTree.from_accuracies(rates, total_nodes=self.planned.size + 1, top_k=self.top_k)
 

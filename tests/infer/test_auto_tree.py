@@ -69,3 +69,10 @@ def test_an_auto_tree_engine_plans_from_the_budget_and_stays_lossless():
     out = engine.generate(prompts, max_new_tokens=12, stop_on_eos=False)
     assert out.tokens == plain
     assert drafter.policy.planned.size >= 2  # mtp (2 depths) at rates 0.9/0.8: drafting pays
+
+
+def test_a_marginal_gain_is_not_worth_drafting():
+    head = Proposer([0.3], level_params=0)
+    budget = TreeBudget(max_nodes=8, curve={1: 1.0, 2: 1.45, 8: 1.45})  # best plan: ~1.02x predicted
+    assert planned(AutoTree(min_gain=1.0), head, budget).size > 0
+    assert planned(AutoTree(), head, budget).size == 0
