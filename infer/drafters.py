@@ -41,7 +41,7 @@ from torch import Tensor
 from heads.base import DraftHead, HeadError
 from heads.target import Target
 from infer.kv_cache import PagedKVCache
-from infer.roofline import best_tree, rank_rate
+from infer.roofline import TreePlan, best_tree, rank_rate
 from infer.sampling import sample, warp_probs
 from infer.tree import attention_mask, chain_parents
 
@@ -403,8 +403,8 @@ class AutoTree:
             return torch.tensor([budget.latency(batch_size * int(n)) / plain for n in nodes], dtype=torch.float64)
 
         self.planned = best_tree(rates, latency, cost, max_nodes=max(cap - 1, 0), top_k=self.top_k)
-        if self.planned.speedup < self.min_gain:  # a marginal plan: the first, plain row of the curve
-            self.planned = best_tree(rates, latency, cost, max_nodes=0, top_k=self.top_k)
+        if self.planned.speedup < self.min_gain:  # a marginal plan: take the curve's first row, no tree
+            self.planned = TreePlan(*self.planned.curve[0], self.planned.curve)
         if self.planned.size:
             self.tree = StaticTree.from_accuracies(rates, total_nodes=self.planned.size + 1, top_k=self.top_k)
 

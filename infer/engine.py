@@ -202,14 +202,10 @@ class SpeculativeEngine:
         anc [1 or B, Q, Q] says which new tokens see which; pos [B, Q] are position ids; keep selects the
         positions whose logits are computed (int: last `keep`; [B, K] indices per row)."""
         plan = cache.prepare(num_new, tokens.shape[1])
-        if tokens.shape[1] == 1 and bool((plan.start == plan.read_len - 1).all()):
-            mask = None  # one new token per row, rows of equal length: every key is visible (SDPA is faster
-            # without a mask, and the target then builds exactly the causal mask it would build itself)
-        else:
-            mask = attention_mask(plan.start, anc, plan.read_len, self.dtype,
-                                  None if bool((num_new == tokens.shape[1]).all()) else num_new).to(self.device)
+        mask = attention_mask(plan.start, anc, plan.read_len, self.dtype,
+                              None if bool((num_new == tokens.shape[1]).all()) else num_new)
         out = self.model(input_ids=tokens.to(self.device), position_ids=pos.to(self.device),
-                         attention_mask=mask, cache=cache, use_cache=True,
+                         attention_mask=mask.to(self.device), cache=cache, use_cache=True,
                          output_hidden_states=hidden, logits_to_keep=keep)
         return plan, out
 
