@@ -16,7 +16,9 @@ Without a curve the seed's static throttle applies (full trees for B <= 8, a qua
 beyond).
 
     python -m infer.calibrate target=smollm2-135m      # measure, cache on disk, print the curve
-The curve is cached in $HEADWAY_CACHE/calibration/<target>-<device>-<dtype>.json (device: cuda, or cpu<threads>).
+    python -m infer.calibrate target=smollm2-135m weight_layout=stock
+The curve is cached in $HEADWAY_CACHE/calibration/<target>-<device>-<dtype>-<layout>.json (device: cuda, or
+cpu<threads>; layout: the engine's weight_layout, see infer.weight_layout).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from infer.weight_layout import LAYOUTS, apply_layout, current_layout
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -89,7 +93,8 @@ def curve_path(target) -> Path:
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     name = getattr(getattr(target, "spec", None), "name", None) or model.config.model_type
     where = f"cpu{torch.get_num_threads()}" if device.type == "cpu" else device.type  # threads change T(N)
-    return cache_root() / "calibration" / f"{name}-{where}-{dtype}.json"
+    layout = current_layout(model)  # so does the weight layout (infer.weight_layout)
+    return cache_root() / "calibration" / f"{name}-{where}-{dtype}-{layout}.json"
 
 
 def load_curve(target) -> dict[int, float] | None:
@@ -165,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     except TargetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    layout = args.get("weight_layout", "auto")
+    if layout not in LAYOUTS:
+        print(f"error: weight_layout must be one of {', '.join(LAYOUTS)}, got {layout!r}", file=sys.stderr)
+        return 2
+    apply_layout(target.model, layout)  # measure under the layout the engine will run
     curve = calibrate_latency(target, context=int(args.get("context", 256)))
     budget = TreeBudget(curve=curve)
     for n, t in curve.items():

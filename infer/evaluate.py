@@ -15,6 +15,8 @@ It prints a table and writes OUTPUT/eval.json:
      "speedup_vs_vanilla", "speedup_vs_hf_generate",
      "greedy_match"}                 temperature 0: fraction of prompts identical to plain decoding
                                      (null at temperature > 0, where outputs differ by design)
+     "draft", "weight_layout"}       the tree the drafter planned; the engine's weight layout
+                                     (infer.weight_layout; HF generate() always runs the stock one)
 
 and OUTPUT/eval.png (acceptance by depth, tau by category). A baseline left out of `baselines` gets null.
 Bad input (a checkpoint for another target, a corrupted or missing safetensors file, an empty or
@@ -41,6 +43,7 @@ from heads.base import HeadError, load_head, read_head_config
 from heads.target import TargetError, TargetSpec, load_target
 from infer.engine import CacheFullError, EngineError, SpeculativeEngine, encode_prompts
 from infer.hf_generate import generation_config, hf_generate
+from infer.weight_layout import LAYOUTS, current_layout
 
 DEFAULT_TARGET = {"name": "smollm2-135m", "path": "embedded:smollm2"}
 DRAFTERS = ("head", "prompt_lookup", "draft_model")
@@ -68,6 +71,7 @@ class EvalConfig:
     seed: int = 0
     device: str = "auto"
     budget: str = "auto"
+    weight_layout: str = "auto"
     output: Optional[str] = None
     plot: bool = True
 
@@ -100,6 +104,8 @@ def check_config(cfg) -> None:
                         "drafter=prompt_lookup or drafter=draft_model")
     if cfg.drafter != "head" and not no_head:
         raise EvalError(f"drafter={cfg.drafter} evaluates a training-free baseline: pass checkpoint=none")
+    if cfg.weight_layout not in LAYOUTS:
+        raise EvalError(f"weight_layout must be one of {', '.join(LAYOUTS)}, got {cfg.weight_layout!r}")
     if cfg.budget not in ("auto", "static"):
         raise EvalError(f"budget must be auto (the measured T(N)) or static (the batch-size throttle only), "
                         f"got {cfg.budget!r}")
@@ -206,8 +212,8 @@ class Tally:
 
 def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]], out=print):
     """Run every method on every prompt; -> (overall Tally, {category: Tally}, greedy matches)."""
-    spec = SpeculativeEngine(target, drafter, budget=cfg.budget)
-    plain = SpeculativeEngine(target)
+    spec = SpeculativeEngine(target, drafter, budget=cfg.budget, weight_layout=cfg.weight_layout)
+    plain = SpeculativeEngine(target, weight_layout=cfg.weight_layout)
     sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                     top_p=cfg.top_p)
     hf_cfg = generation_config(spec.eos.tolist(), target.tokenizer.pad_token_id, cfg.max_new_tokens,
@@ -253,7 +259,8 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "speedup_vs_vanilla": ratio("vanilla"),
         "speedup_vs_hf_generate": ratio("hf_generate"),
         "greedy_match": matches / total.prompts if cfg.temperature == 0 else None,
-        "draft": draft or {},  # the drafter and, for planned trees, the size and the speedup it predicted
+        "draft": draft or {},
+        "weight_layout": current_layout(target.model),  # the engine's (HF generate() runs the stock one)  # the drafter and, for planned trees, the size and the speedup it predicted
     }
 
 

@@ -2,7 +2,8 @@
 decoding (`prompt_lookup_num_tokens`), one prompt at a time, timed like the engine.
 
 Sampling settings mirror the engine's exactly (temperature, top-k, top-p; none of the checkpoint's
-generation_config defaults such as top_k=50), so tokens/s compare like with like.
+generation_config defaults such as top_k=50), so tokens/s compare like with like. The model runs with its
+weights as transformers loaded them (`stock_layout`), whatever layout an engine gave them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
+
+from infer.weight_layout import stock_layout
 
 
 @dataclass
@@ -39,7 +42,12 @@ def generation_config(eos_ids: list[int], pad_id: int, max_new_tokens: int, temp
 
 @torch.inference_mode()
 def hf_generate(model, prompts: list[list[int]], config: GenerationConfig, seed: int | None = None) -> HFResult:
-    """Run `model.generate` on each prompt (batch 1) and time the calls."""
+    """Run `model.generate` on each prompt (batch 1), weights as loaded, and time the calls."""
+    with stock_layout(model):
+        return _generate_each(model, prompts, config, seed)
+
+
+def _generate_each(model, prompts, config, seed) -> HFResult:
     device = next(model.parameters()).device
     if seed is not None:
         torch.manual_seed(seed)

@@ -3,7 +3,9 @@
 Methods, interleaved prompt by prompt so machine noise hits all alike (each warmed up once first):
   hf_generate             transformers generate()
   hf_prompt_lookup        transformers generate(prompt_lookup_num_tokens=...)
-  headway_plain           the engine's plain decoding
+  headway_plain           the engine's plain decoding (weights in --weight-layout, default auto: the wide
+                          Linear weights column-major on a CPU, see infer/weight_layout.py)
+  headway_plain_stock     the same with the weights as loaded (shows what the layout alone buys)
   headway_prompt_lookup   the engine with the n-gram drafter
   headway_<kind>          the engine with each trained head given (paths that do not exist are skipped)
 at temperature 0 and 1, reporting tokens/s, tau, the ratio to HF generate() and, at temperature 0,
@@ -31,9 +33,10 @@ import torch
 from infer.calibrate import calibrate_latency
 from infer.engine import SpeculativeEngine
 from infer.hf_generate import generation_config, hf_generate
+from infer.weight_layout import LAYOUTS, apply_layout
 
 
-FIXED = ("hf_generate", "hf_prompt_lookup", "headway_plain", "headway_prompt_lookup")  # not trained heads
+FIXED = ("hf_generate", "hf_prompt_lookup", "headway_plain", "headway_plain_stock", "headway_prompt_lookup")  # not trained heads
 
 
 def parse_args(argv=None):
@@ -51,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tree", nargs="*", default=[], metavar="KEY=VALUE",
                    help="drafter options for the heads (infer.drafters.build_drafter), e.g. policy=dynamic top_k=3")
+    p.add_argument("--weight-layout", default="auto", choices=LAYOUTS, help="the engines' weight layout")
     p.add_argument("--quick", action="store_true", help="tiny random target, 2 prompts, 8 tokens (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -66,7 +70,7 @@ def build_methods(args, target) -> dict:
     from heads.target import TargetError
     from infer.drafters import build_drafter
 
-    eos = SpeculativeEngine(target).eos.tolist()
+    eos = SpeculativeEngine(target, weight_layout=args.weight_layout).eos.tolist()
     pad = target.tokenizer.pad_token_id
 
     def hf(lookup):
@@ -76,8 +80,8 @@ def build_methods(args, target) -> dict:
             return res.tokens[0], res.seconds, None
         return run
 
-    def engine(drafter):
-        eng = SpeculativeEngine(target, drafter)
+    def engine(drafter, layout=args.weight_layout):
+        eng = SpeculativeEngine(target, drafter, weight_layout=layout)
 
         def run(ids, temperature, seed):
             out = eng.generate([ids], max_new_tokens=args.max_new_tokens, temperature=temperature, seed=seed)
@@ -87,8 +91,10 @@ def build_methods(args, target) -> dict:
         return run
 
     methods = {"hf_generate": hf(None), "hf_prompt_lookup": hf(args.prompt_lookup_tokens),
-               "headway_plain": engine(None),
+               "headway_plain": engine(None), "headway_plain_stock": engine(None, "stock"),
                "headway_prompt_lookup": engine(build_drafter("prompt_lookup", target))}
+    if apply_layout(target.model, args.weight_layout) == "stock":
+        del methods["headway_plain_stock"]  # the same as headway_plain
     for path in args.heads:
         if not Path(path, "config.json").is_file():
             print(f"skipping head {path}: no such head folder")
@@ -156,6 +162,7 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     target = bc.load_bench_target(args.target, args.device, args.dtype)
     prompts = bc.bench_prompts(target.tokenizer, args.prompt_sets, args.per_set)
+    apply_layout(target.model, args.weight_layout)  # T(N) depends on it
     curve = calibrate_latency(target)  # this run's T(N): the engines plan their trees from it
     t1 = curve[min(curve)]
     print("target step latency T(N)/T(1), measured now: " +

@@ -18,7 +18,8 @@ from infer import evaluate as ev
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"path": "tiny-random", "name": "tiny-random"}
 SCHEMA = {"target", "head", "temperature", "num_prompts", "tau", "acceptance_by_depth", "by_category",
-          "tokens_per_second", "speedup_vs_vanilla", "speedup_vs_hf_generate", "greedy_match", "draft"}
+          "tokens_per_second", "speedup_vs_vanilla", "speedup_vs_hf_generate", "greedy_match", "draft",
+          "weight_layout"}
 PROMPTS = [{"prompt": "Name three colours.", "category": "writing"},
            {"prompt": "abc abc abc abc abc", "category": "coding"},
            {"prompt": "What is 2 + 2?"}]  # no category: counted as "general"
