@@ -86,15 +86,30 @@ class TreeBudget:
 
 
 def curve_path(target) -> Path:
-    from heads.target import Target, cache_root
+    layout = current_layout(getattr(target, "model", target))  # the weight layout changes T(N) too
+    return _calibration_dir(target) / f"{_stem(target)}-{layout}.json"
 
-    model = target.model if isinstance(target, Target) else target
+
+def layout_path(target) -> Path:
+    """Where the weight layout "auto" chose for this target and machine is cached (infer.weight_layout)."""
+    return _calibration_dir(target) / f"{_stem(target)}-layout.json"
+
+
+def _calibration_dir(target) -> Path:
+    from heads.target import cache_root
+
+    return cache_root() / "calibration"
+
+
+def _stem(target) -> str:
+    """<target>-<device>-<dtype>; device: cuda, or cpu<threads> (the thread count changes every time)."""
+    model = getattr(target, "model", target)
     device = next(model.parameters()).device
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    name = getattr(getattr(target, "spec", None), "name", None) or model.config.model_type
-    where = f"cpu{torch.get_num_threads()}" if device.type == "cpu" else device.type  # threads change T(N)
-    layout = current_layout(model)  # so does the weight layout (infer.weight_layout)
-    return cache_root() / "calibration" / f"{name}-{where}-{dtype}-{layout}.json"
+    name = getattr(getattr(target, "spec", None), "name", None) or \
+        f"{model.config.model_type}-{sum(p.numel() for p in model.parameters())}"  # a bare model: type + size
+    where = f"cpu{torch.get_num_threads()}" if device.type == "cpu" else device.type
+    return f"{name}-{where}-{dtype}"
 
 
 def load_curve(target) -> dict[int, float] | None:
@@ -174,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     if layout not in LAYOUTS:
         print(f"error: weight_layout must be one of {', '.join(LAYOUTS)}, got {layout!r}", file=sys.stderr)
         return 2
-    apply_layout(target.model, layout)  # measure under the layout the engine will run
+    layout = apply_layout(target.model, layout, target)  # measure T(N) under the layout the engine runs
+    print(f"weight layout: {layout}" + _layout_times(target))
     curve = calibrate_latency(target, context=int(args.get("context", 256)))
     budget = TreeBudget(curve=curve)
     for n, t in curve.items():
@@ -183,6 +199,14 @@ def main(argv: list[str] | None = None) -> int:
           ", ".join(f"B={b}: {budget.max_tokens(b)}" for b in (1, 2, 4, 8, 16, 32, 64)))
     print(f"cached in {curve_path(target)}")
     return 0
+
+
+def _layout_times(target) -> str:
+    try:
+        times = json.loads(layout_path(target).read_text())["decode_step_s"]
+        return " (one decode step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()) + ")"
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return ""  # not chosen by measuring here (explicit layout, or a GPU)
 
 
 if __name__ == "__main__":

@@ -145,9 +145,10 @@ class SpeculativeEngine:
         "static" = the seed's batch-size throttle only (see infer/calibrate.py).
         max_cache_tokens: cap on the KV pool (all rows together); default: room for every row's worst case.
         Past it generation stops with CacheFullError (the cache is never corrupted).
-        weight_layout: how the target's Linear weights lie in memory (infer.weight_layout): "auto" stores
-        the wide ones column-major on a CPU (the M = 1 GEMV of a decode step streams them ~1.7x faster;
-        values unchanged, changed in place on `target`), "stock" leaves them as loaded."""
+        weight_layout: how the target's Linear weights lie in memory (infer.weight_layout): "auto" = on a
+        CPU the layout with the faster decode step here (measured once, cached; on this machine the wide
+        weights column-major: the M = 1 GEMV streams them ~1.7x faster), "stock" = as loaded,
+        "wide-column". Values never change; the layout is set in place on `target`."""
         self.model = target.model if hasattr(target, "model") else target
         self.tokenizer = getattr(target, "tokenizer", None)
         self.drafter = drafter
@@ -158,7 +159,7 @@ class SpeculativeEngine:
         if weight_layout not in LAYOUTS:
             raise EngineError(f"weight_layout must be one of {', '.join(LAYOUTS)}, got {weight_layout!r}")
         self.target, self._budget = target, budget
-        self.weight_layout = apply_layout(self.model, weight_layout)  # before T(N) is measured under it
+        self.weight_layout = apply_layout(self.model, weight_layout, target)  # before T(N) is measured
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.num_layers = self.model.config.num_hidden_layers

@@ -9,23 +9,30 @@ so `F.linear(x, weight)` becomes a contiguous-B GEMM. Measured on SmolLM2-135M (
 decode step 61 -> 49 ms; a forward of 4-32 tokens (a tree) 5-10% slower, which the engine's measured
 T(N) curve (infer.calibrate) accounts for, since it is measured under the layout the engine runs.
 
-    layout = apply_layout(model, "auto")     # the engine does this: "wide-column" on CPU, else "stock"
+    layout = apply_layout(model, "auto")     # what the engine does
     with stock_layout(model):                # what a transformers user runs (the HF generate() baseline)
         model.generate(...)
 
 Layouts:  stock        as loaded (row-major)
           wide-column  Linear weights with out_features > in_features stored column-major
-          auto         wide-column on a CPU, stock elsewhere (cuBLAS reads both layouts at full speed)
+          auto         on a CPU, whichever of the two runs a decode step faster on this machine (measured
+                       once, ~1 s, and cached beside the T(N) curve; `python -m infer.calibrate` prints
+                       both times); stock elsewhere (cuBLAS reads both layouts at full speed)
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 LAYOUTS = ("auto", "stock", "wide-column")
+CANDIDATES = ("stock", "wide-column")
+MIN_GAIN = 1.03  # auto moves the weights only for a decode step at least 3% faster (timings are noisy)
 
 
 def wide_linears(model: nn.Module) -> list[nn.Linear]:
@@ -39,21 +46,64 @@ def wide_linears(model: nn.Module) -> list[nn.Linear]:
     return out
 
 
-def resolve(layout: str, device: torch.device) -> str:
+def apply_layout(model: nn.Module, layout: str = "auto", target=None) -> str:
+    """Store the model's wide Linear weights in `layout` (in place; values unchanged); return the layout
+    used. `target` (a heads.target.Target; default: the model) names the cached choice of "auto"."""
     if layout not in LAYOUTS:
         raise ValueError(f"weight_layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if layout == "auto":
-        return "wide-column" if device.type == "cpu" else "stock"
-    return layout
-
-
-def apply_layout(model: nn.Module, layout: str = "auto") -> str:
-    """Store the model's Linear weights in `layout` (in place; values unchanged); return the layout used."""
-    layout = resolve(layout, next(model.parameters()).device)
+        layout = choose_layout(target if target is not None else model)
     for linear in wide_linears(model):
         weight = linear.weight.data  # [out, in]
         linear.weight.data = weight.t().contiguous().t() if layout == "wide-column" else weight.contiguous()
     return layout
+
+
+def choose_layout(target) -> str:
+    """What "auto" means: stock off the CPU; on a CPU the layout with the faster decode step, measured once
+    per target, thread count and dtype, then read from the cache."""
+    from infer.calibrate import layout_path
+
+    model = getattr(target, "model", target)
+    if next(model.parameters()).device.type != "cpu" or not wide_linears(model):
+        return "stock"
+    path = layout_path(target)
+    try:
+        layout = json.loads(path.read_text())["layout"]
+        if layout in CANDIDATES:
+            return layout
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        pass  # missing or damaged: measure
+    times = measure_layouts(model)
+    layout = "wide-column" if times["stock"] >= MIN_GAIN * times["wide-column"] else "stock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"layout": layout, "decode_step_s": times}, indent=1))
+    os.replace(tmp, path)
+    return layout
+
+
+@torch.inference_mode()
+def measure_layouts(model: nn.Module, repeats: int = 5) -> dict[str, float]:
+    """Seconds of one decode-like forward (one token: every Linear is an M = 1 GEMV) under each candidate
+    layout, best of `repeats`, rounds interleaved so noise hits both alike. Leaves the layout it found."""
+    wide = wide_linears(model)
+    found = [linear.weight.data for linear in wide]
+    stored = {"stock": [w.contiguous() for w in found], "wide-column": [w.t().contiguous().t() for w in found]}
+    ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    times = {layout: float("inf") for layout in CANDIDATES}
+    try:
+        for _ in range(repeats + 1):  # the first round warms up
+            for layout in CANDIDATES:
+                for linear, weight in zip(wide, stored[layout]):
+                    linear.weight.data = weight  # a pointer swap, no copy
+                start = time.perf_counter()
+                model(input_ids=ids, use_cache=False)
+                times[layout] = min(times[layout], time.perf_counter() - start)
+    finally:
+        for linear, weight in zip(wide, found):
+            linear.weight.data = weight
+    return times
 
 
 def current_layout(model: nn.Module) -> str:

@@ -93,7 +93,7 @@ def build_methods(args, target) -> dict:
     methods = {"hf_generate": hf(None), "hf_prompt_lookup": hf(args.prompt_lookup_tokens),
                "headway_plain": engine(None), "headway_plain_stock": engine(None, "stock"),
                "headway_prompt_lookup": engine(build_drafter("prompt_lookup", target))}
-    if apply_layout(target.model, args.weight_layout) == "stock":
+    if apply_layout(target.model, args.weight_layout, target) == "stock":
         del methods["headway_plain_stock"]  # the same as headway_plain
     for path in args.heads:
         if not Path(path, "config.json").is_file():
@@ -162,7 +162,7 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     target = bc.load_bench_target(args.target, args.device, args.dtype)
     prompts = bc.bench_prompts(target.tokenizer, args.prompt_sets, args.per_set)
-    apply_layout(target.model, args.weight_layout)  # T(N) depends on it
+    apply_layout(target.model, args.weight_layout, target)  # T(N) depends on it
     curve = calibrate_latency(target)  # this run's T(N): the engines plan their trees from it
     t1 = curve[min(curve)]
     print("target step latency T(N)/T(1), measured now: " +

@@ -1,15 +1,18 @@
 """The CPU weight layout changes strides only: same values, same outputs, tied weights stay tied, the HF
 baseline runs the stock layout, and an engine keeps the layout it was built with."""
 
+import json
+
 import pytest
 import torch
 from transformers import GenerationConfig
 
 from heads.target import load_target
-from infer.calibrate import curve_path
+from infer import weight_layout
+from infer.calibrate import curve_path, layout_path
 from infer.engine import EngineError, SpeculativeEngine
 from infer.hf_generate import hf_generate
-from infer.weight_layout import apply_layout, current_layout, resolve, stock_layout, wide_linears
+from infer.weight_layout import apply_layout, current_layout, stock_layout, wide_linears
 
 
 @pytest.fixture()
@@ -51,11 +54,35 @@ def test_tied_embeddings_stay_tied():
     torch.testing.assert_close(logits_of(model, ids), reference, rtol=1e-5, atol=1e-5)
 
 
-def test_auto_means_wide_column_on_cpu_only():
-    assert resolve("auto", torch.device("cpu")) == "wide-column"
-    assert resolve("auto", torch.device("cuda")) == "stock"
+def test_auto_takes_the_faster_measured_layout_and_caches_the_choice(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path))
+    monkeypatch.setattr(weight_layout, "measure_layouts", lambda model: {"stock": 0.060, "wide-column": 0.050})
+    assert apply_layout(target.model, "auto", target) == "wide-column"
+    assert current_layout(target.model) == "wide-column"
+    assert json.loads(layout_path(target).read_text())["layout"] == "wide-column"
+
+    def must_not_measure(model):
+        raise AssertionError("the cached choice should have been used")
+    monkeypatch.setattr(weight_layout, "measure_layouts", must_not_measure)
+    assert SpeculativeEngine(target).weight_layout == "wide-column"
+
+
+def test_auto_keeps_the_stock_layout_without_a_clear_gain(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path))
+    monkeypatch.setattr(weight_layout, "measure_layouts", lambda model: {"stock": 0.0500, "wide-column": 0.0495})
+    assert apply_layout(target.model, "auto", target) == "stock" and current_layout(target.model) == "stock"
+
+
+def test_measuring_layouts_times_both_and_leaves_the_model_as_found(target):
+    apply_layout(target.model, "wide-column")
+    times = weight_layout.measure_layouts(target.model, repeats=1)
+    assert set(times) == {"stock", "wide-column"} and all(0 < t < 10 for t in times.values())
+    assert current_layout(target.model) == "wide-column"
+
+
+def test_unknown_layout_is_refused(target):
     with pytest.raises(ValueError, match="weight_layout must be one of"):
-        resolve("transposed", torch.device("cpu"))
+        apply_layout(target.model, "transposed")
 
 
 def test_stock_layout_restores_the_previous_layout_even_on_error(target):
@@ -70,7 +97,7 @@ def test_stock_layout_restores_the_previous_layout_even_on_error(target):
 
 def test_hf_baseline_runs_the_stock_layout(target):
     model = target.model
-    engine = SpeculativeEngine(target)
+    engine = SpeculativeEngine(target, weight_layout="wide-column")
     assert engine.weight_layout == "wide-column" and current_layout(model) == "wide-column"
     seen = []
     hook = model.register_forward_pre_hook(lambda module, args: seen.append(current_layout(module)))
@@ -87,7 +114,7 @@ def test_engine_restores_its_layout_and_outputs_do_not_depend_on_it(target):
     prompts = [[5, 9, 13, 40], [7, 3]]
     stock = SpeculativeEngine(target, weight_layout="stock")
     expected = stock.generate(prompts, max_new_tokens=10, stop_on_eos=False).tokens
-    wide = SpeculativeEngine(target)  # auto: wide-column on this CPU
+    wide = SpeculativeEngine(target, weight_layout="wide-column")
     assert current_layout(target.model) == "wide-column"
     assert stock.generate(prompts, max_new_tokens=10, stop_on_eos=False).tokens == expected
     assert current_layout(target.model) == "stock"  # the stock engine put its layout back
