@@ -307,6 +307,7 @@ def measured_latency(target_name: str, sizes: list[int], context: int) -> dict[i
     `context` cached ones), measured now; None if the engine's calibration is not available."""
     try:
         from infer.calibrate import calibrate_latency
+        from infer.weight_layout import apply_layout
     except ImportError:
         return None
     from heads.target import load_target
@@ -314,6 +315,7 @@ def measured_latency(target_name: str, sizes: list[int], context: int) -> dict[i
     spec = {"tiny-random": {"path": "tiny-random", "name": "tiny-random"},
             "smollm2-135m": {"path": "embedded:smollm2", "name": "smollm2-135m"}}
     target = load_target(spec.get(target_name, {"path": target_name, "name": target_name}))
+    apply_layout(target.model, "auto", target)  # the engine's weight layout (infer.weight_layout)
     # save=False: the engine's cached curve (its own context) stays what `python -m infer.calibrate` wrote
     return calibrate_latency(target, sizes, context=context, repeats=3, save=False)
 

@@ -19,6 +19,7 @@ import torch
 
 from infer.calibrate import TreeBudget
 from infer.engine import SpeculativeEngine
+from infer.weight_layout import apply_layout
 
 
 class FullTree(TreeBudget):
@@ -67,6 +68,7 @@ def main(argv=None) -> None:
     target = bc.load_bench_target(args.target, args.device, args.dtype)
     prompts = [ids for _, ids in bc.bench_prompts(target.tokenizer, ["mt-bench", "humaneval"], None)]
     drafter, drafter_name = make_drafter(args, target)
+    apply_layout(target.model, "auto", target)  # the engines' weight layout: T(N) is measured under it
     throttled = TreeBudget.for_target(target, max_nodes=args.max_nodes, measure=True)  # measured T(N), cached
     full = FullTree(max_nodes=args.max_nodes)
     engines = {"plain": SpeculativeEngine(target),
