@@ -102,7 +102,7 @@ def _calibration_dir(target) -> Path:
 
 
 def _stem(target) -> str:
-    """<target>-<device>-<dtype>; device: cuda, or cpu<threads> (the thread count changes every time)."""
+    """<target>-<device>-<dtype>; device: cuda, or cpu<threads> (the thread count changes the timings)."""
     model = getattr(target, "model", target)
     device = next(model.parameters()).device
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
