@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from infer.weight_layout import LAYOUTS, apply_layout, current_layout
+from infer.weight_layout import apply_layout, current_layout
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -185,11 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     except TargetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    layout = args.get("weight_layout", "auto")
-    if layout not in LAYOUTS:
-        print(f"error: weight_layout must be one of {', '.join(LAYOUTS)}, got {layout!r}", file=sys.stderr)
+    try:  # measure T(N) under the layout the engine runs
+        layout = apply_layout(target.model, args.get("weight_layout", "auto"), target)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    layout = apply_layout(target.model, layout, target)  # measure T(N) under the layout the engine runs
     print(f"weight layout: {layout}" + _layout_times(target))
     curve = calibrate_latency(target, context=int(args.get("context", 256)))
     budget = TreeBudget(curve=curve)

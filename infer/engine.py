@@ -55,7 +55,7 @@ from infer.kv_cache import CacheFullError, PagedKVCache  # noqa: F401  (CacheFul
 from infer.sampling import sample, warp_probs
 from infer.tree import ancestor_mask, attention_mask, causal_ancestors, depths
 from infer.verify import verify_tree
-from infer.weight_layout import LAYOUTS, apply_layout, current_layout
+from infer.weight_layout import apply_layout, current_layout
 
 
 class EngineError(ValueError):
@@ -158,10 +158,11 @@ class SpeculativeEngine:
         self.max_cache_tokens = max_cache_tokens
         if budget not in ("auto", "static") and not isinstance(budget, TreeBudget):
             raise EngineError(f"budget must be a TreeBudget, 'auto' or 'static', got {budget!r}")
-        if weight_layout not in LAYOUTS:
-            raise EngineError(f"weight_layout must be one of {', '.join(LAYOUTS)}, got {weight_layout!r}")
         self.target, self._budget = target, budget
-        self.weight_layout = apply_layout(self.model, weight_layout, target)  # before T(N) is measured
+        try:
+            self.weight_layout = apply_layout(self.model, weight_layout, target)  # before T(N) is measured
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.num_layers = self.model.config.num_hidden_layers

@@ -43,7 +43,7 @@ from heads.base import HeadError, load_head, read_head_config
 from heads.target import TargetError, TargetSpec, load_target
 from infer.engine import CacheFullError, EngineError, SpeculativeEngine, encode_prompts
 from infer.hf_generate import generation_config, hf_generate
-from infer.weight_layout import LAYOUTS, current_layout
+from infer.weight_layout import check_layout, current_layout
 
 DEFAULT_TARGET = {"name": "smollm2-135m", "path": "embedded:smollm2"}
 DRAFTERS = ("head", "prompt_lookup", "draft_model")
@@ -104,8 +104,10 @@ def check_config(cfg) -> None:
                         "drafter=prompt_lookup or drafter=draft_model")
     if cfg.drafter != "head" and not no_head:
         raise EvalError(f"drafter={cfg.drafter} evaluates a training-free baseline: pass checkpoint=none")
-    if cfg.weight_layout not in LAYOUTS:
-        raise EvalError(f"weight_layout must be one of {', '.join(LAYOUTS)}, got {cfg.weight_layout!r}")
+    try:
+        check_layout(cfg.weight_layout)
+    except ValueError as exc:
+        raise EvalError(str(exc)) from exc
     if cfg.budget not in ("auto", "static"):
         raise EvalError(f"budget must be auto (the measured T(N)) or static (the batch-size throttle only), "
                         f"got {cfg.budget!r}")
@@ -259,8 +261,8 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "speedup_vs_vanilla": ratio("vanilla"),
         "speedup_vs_hf_generate": ratio("hf_generate"),
         "greedy_match": matches / total.prompts if cfg.temperature == 0 else None,
-        "draft": draft or {},
-        "weight_layout": current_layout(target.model),  # the engine's (HF generate() runs the stock one)  # the drafter and, for planned trees, the size and the speedup it predicted
+        "draft": draft or {},  # the drafter and, for planned trees, the size and the speedup it predicted
+        "weight_layout": current_layout(target.model),  # the engines' (HF generate() runs the stock one)
     }
 
 

@@ -43,22 +43,18 @@ def generation_config(eos_ids: list[int], pad_id: int, max_new_tokens: int, temp
 @torch.inference_mode()
 def hf_generate(model, prompts: list[list[int]], config: GenerationConfig, seed: int | None = None) -> HFResult:
     """Run `model.generate` on each prompt (batch 1), weights as loaded, and time the calls."""
-    with stock_layout(model):
-        return _generate_each(model, prompts, config, seed)
-
-
-def _generate_each(model, prompts, config, seed) -> HFResult:
     device = next(model.parameters()).device
     if seed is not None:
         torch.manual_seed(seed)
     tokens, seconds = [], 0.0
-    for ids in prompts:
-        input_ids = torch.tensor([ids], device=device)
-        start = time.perf_counter()
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             generation_config=config)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds += time.perf_counter() - start
-        tokens.append(out[0, len(ids):].tolist())
+    with stock_layout(model):
+        for ids in prompts:
+            input_ids = torch.tensor([ids], device=device)
+            start = time.perf_counter()
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                 generation_config=config)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds += time.perf_counter() - start
+            tokens.append(out[0, len(ids):].tolist())
     return HFResult(tokens, seconds)

@@ -4,7 +4,7 @@ A decode step is one GEMV per Linear (M = 1 row of activations) and reads every 
 is the BLAS kernel's memory bandwidth. nn.Linear stores W as [out, in] row-major and computes x @ W^T;
 MKL's kernel for that case streams wide matrices (out > in: the MLP's gate/up projections, the LM head) at
 ~9 GB/s on this machine, while the same product over W stored column-major (W^T contiguous, [in, out]) runs
-at ~16-21 GB/s. Same shapes, same values, same modules, same transformers code: only the strides change,
+at ~14-21 GB/s. Same shapes, same values, same modules, same transformers code: only the strides change,
 so `F.linear(x, weight)` becomes a contiguous-B GEMM. Measured on SmolLM2-135M (2-core CPU, fp32): one
 decode step 61 -> 49 ms; a forward of 4-32 tokens (a tree) 5-10% slower, which the engine's measured
 T(N) curve (infer.calibrate) accounts for, since it is measured under the layout the engine runs.
@@ -49,14 +49,18 @@ def wide_linears(model: nn.Module) -> list[nn.Linear]:
 def apply_layout(model: nn.Module, layout: str = "auto", target=None) -> str:
     """Store the model's wide Linear weights in `layout` (in place; values unchanged); return the layout
     used. `target` (a heads.target.Target; default: the model) names the cached choice of "auto"."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"weight_layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    check_layout(layout)
     if layout == "auto":
         layout = choose_layout(target if target is not None else model)
     for linear in wide_linears(model):
         weight = linear.weight.data  # [out, in]
         linear.weight.data = weight.t().contiguous().t() if layout == "wide-column" else weight.contiguous()
     return layout
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
 
 
 def choose_layout(target) -> str:

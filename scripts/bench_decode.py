@@ -70,7 +70,7 @@ def build_methods(args, target) -> dict:
     from heads.target import TargetError
     from infer.drafters import build_drafter
 
-    eos = SpeculativeEngine(target, weight_layout=args.weight_layout).eos.tolist()
+    eos = SpeculativeEngine(target, weight_layout=args.weight_layout).eos.tolist()  # layout resolved in main
     pad = target.tokenizer.pad_token_id
 
     def hf(lookup):
@@ -91,10 +91,10 @@ def build_methods(args, target) -> dict:
         return run
 
     methods = {"hf_generate": hf(None), "hf_prompt_lookup": hf(args.prompt_lookup_tokens),
-               "headway_plain": engine(None), "headway_plain_stock": engine(None, "stock"),
-               "headway_prompt_lookup": engine(build_drafter("prompt_lookup", target))}
-    if apply_layout(target.model, args.weight_layout, target) == "stock":
-        del methods["headway_plain_stock"]  # the same as headway_plain
+               "headway_plain": engine(None)}
+    if args.weight_layout != "stock":  # otherwise the same as headway_plain
+        methods["headway_plain_stock"] = engine(None, "stock")
+    methods["headway_prompt_lookup"] = engine(build_drafter("prompt_lookup", target))
     for path in args.heads:
         if not Path(path, "config.json").is_file():
             print(f"skipping head {path}: no such head folder")
@@ -162,7 +162,7 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     target = bc.load_bench_target(args.target, args.device, args.dtype)
     prompts = bc.bench_prompts(target.tokenizer, args.prompt_sets, args.per_set)
-    apply_layout(target.model, args.weight_layout, target)  # T(N) depends on it
+    args.weight_layout = apply_layout(target.model, args.weight_layout, target)  # auto -> measured; T(N) depends on it
     curve = calibrate_latency(target)  # this run's T(N): the engines plan their trees from it
     t1 = curve[min(curve)]
     print("target step latency T(N)/T(1), measured now: " +
