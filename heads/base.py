@@ -164,6 +164,7 @@ class DraftHead(nn.Module):
         self.draft_vocab: Tensor | None = None  # [k] ascending target ids drafts may use (None: all)
         self.acceptance: list[float] = []  # per-depth top-1 acceptance measured at its last validation
         object.__setattr__(self, "_rows", {})  # read-out matrix id -> (its rows for draft_vocab, their slots)
+        self._train_ids: Tensor | None = None  # [Vt] ascending target ids the training read-out scores
 
     # ---------------------------------------------------------------------- building and attaching
     @classmethod
@@ -184,8 +185,12 @@ class DraftHead(nn.Module):
         LM heads start as the target's); called once at build, never on load."""
 
     def init_from_data(self, token_counts: Tensor) -> None:
-        """See the training data before training (e.g. EAGLE-3 picks its draft vocabulary from
-        `token_counts` [V], the frequency of each target token among loss-masked tokens)."""
+        """See the training data before training: `token_counts` [V] is the frequency of each target token
+        among loss-masked tokens. Heads with a `train_vocab` option train their read-out over that many
+        most frequent tokens (EAGLE-3 overrides this to pick its draft vocabulary)."""
+        size = self.options.get("train_vocab")
+        V = self.target_config.vocab_size
+        self._train_ids = None if size is None or size >= V else most_frequent(token_counts, size)
 
     def feature_layers(self) -> list[int]:
         return [self.target_config.num_hidden_layers]
@@ -217,8 +222,7 @@ class DraftHead(nn.Module):
         if size < 1:
             raise HeadError(f"draft_vocab must be >= 1 (or null for the whole vocabulary), got {size}")
         counts = self.token_counts if self.token_counts is not None else torch.zeros(V, dtype=torch.long)
-        ranking = torch.sort(counts.long().cpu(), descending=True, stable=True).indices
-        self.draft_vocab = ranking[:size].sort().values
+        self.draft_vocab = most_frequent(counts, size)
 
     def readout_rows(self, num_rows: int, row_ids: Tensor | None = None) -> int:
         """How many rows of a read-out matrix (num_rows rows scoring `row_ids`) a draft step reads."""
@@ -250,6 +254,53 @@ class DraftHead(nn.Module):
         rows, ids = self._rows[key]
         return _scatter_vocab(hidden @ rows.T, ids, V)
 
+    # ---------------------------------------------------------------------- training vocabulary
+    # A draft can only be accepted if the drafter proposes the target's token, and at inference drafts
+    # read out over the most frequent tokens only (the draft vocabulary). Training over the same kind of
+    # subset costs Vt/V of the [V, h] read-out (most of a step for a small head on a large vocabulary):
+    # logits, the target's distribution and labels all live on the Vt training ids; the target's
+    # probability mass outside them is dropped by renormalising there, and a position whose label lies
+    # outside can never be drafted, so it counts as a miss in the depth accuracies.
+    @property
+    def train_ids(self) -> Tensor | None:
+        """[Vt] ascending target ids the training read-out scores (None: the whole vocabulary)."""
+        return self._train_ids
+
+    def _ids_on(self, device) -> Tensor | None:
+        ids = self.train_ids
+        return None if ids is None else ids.to(device)
+
+    def train_readout(self, hidden: Tensor, linear: nn.Linear) -> Tensor:
+        """Training logits [..., Vt] = linear(hidden [..., h]) on the training ids only (a bias-free
+        read-out whose row r scores token r; gradients reach only the rows that are read)."""
+        ids = self._ids_on(hidden.device)
+        if ids is None or linear.weight.numel() == 0:  # whole vocabulary, or a ZeRO-3 shard: the module call
+            logits = linear(hidden)
+            return logits if ids is None else logits[..., ids]
+        return hidden @ linear.weight[ids].T
+
+    @torch.no_grad()
+    def target_train_logits(self, feats: TargetFeatures) -> Tensor:
+        """The target's logits on the training ids, [B, T, Vt] fp32 (read from the cache, or computed
+        through only those rows of its frozen LM head)."""
+        ids = self._ids_on(feats.last_hidden.device)
+        if feats.logits is not None:
+            return (feats.logits if ids is None else feats.logits[..., ids]).float()
+        return self.train_readout(feats.last_hidden, self.frozen["lm_head"]).float()
+
+    def train_token_ids(self, compact: Tensor) -> Tensor:
+        """Training-vocabulary indices -> target token ids (e.g. of an argmax)."""
+        ids = self._ids_on(compact.device)
+        return compact if ids is None else ids[compact]
+
+    def train_labels(self, labels: Tensor, ignore_index: int = -100) -> Tensor:
+        """Target token ids -> training-vocabulary indices (`ignore_index` for tokens outside it)."""
+        ids = self._ids_on(labels.device)
+        if ids is None:
+            return labels
+        slot = torch.searchsorted(ids, labels).clamp(max=ids.numel() - 1)
+        return torch.where(ids[slot] == labels, slot, torch.full_like(labels, ignore_index))
+
     # ---------------------------------------------------------------------------- saving and loading
     def head_config(self) -> dict[str, Any]:
         cfg = self.target_config
@@ -261,6 +312,13 @@ class DraftHead(nn.Module):
             "target_shape": {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                              "num_hidden_layers": cfg.num_hidden_layers, "model_type": cfg.model_type},
         }
+
+
+def most_frequent(token_counts: Tensor, k: int) -> Tensor:
+    """The k most frequent token ids [k], ascending (ties: lower id first, i.e. BPE merge order, which
+    tracks frequency)."""
+    ranking = torch.sort(token_counts.long().cpu(), descending=True, stable=True).indices
+    return ranking[:k].sort().values
 
 
 def _scatter_vocab(logits: Tensor, ids: Tensor, vocab_size: int) -> Tensor:  # [..., R] -> [..., V]

@@ -26,10 +26,11 @@ from torch import Tensor, nn
 
 from heads.base import DraftHead, TargetFeatures, register_head
 from heads.layers import (OneLayerDrafting, head_loss, kl_to_target, masked_mean, new_decoder_layer,
-                          positive_int, require, resolve_options, rotary, shift_left, target_logits_of,
+                          positive_int, require, resolve_options, rotary, shift_left,
                           unrolled_accuracy)
 
-DEFAULTS = dict(feature_weight=1.0, token_weight=0.1, noise=0.2, ttt_steps=1, step_decay=0.8, eval_depths=4)
+DEFAULTS = dict(feature_weight=1.0, token_weight=0.1, noise=0.2, ttt_steps=1, step_decay=0.8, eval_depths=4,
+                train_vocab=None)
 
 
 @register_head("eagle")
@@ -73,12 +74,12 @@ class EagleHead(OneLayerDrafting, DraftHead):
         noisy = f + (torch.rand_like(f) - 0.5) * o["noise"] if self.training and o["noise"] else f
         outs = self.unroll(input_ids, noisy, steps)  # [B, T, h] per step: query t predicts f_{t+1}
         f_next = shift_left(f, 1)
-        p_next = shift_left(target_logits_of(self, feats), 1)  # target's distribution of x_{t+2}
+        p_next = shift_left(self.target_train_logits(feats), 1)  # target's x_{t+2} logits [B, T, Vt]
         t = torch.arange(f.shape[1], device=f.device)[None]
         loss, preds, metrics = 0.0, [], {}
         for j, out in enumerate(outs):
-            logits = self.target_logits(out)
-            preds.append(logits.detach().argmax(-1))
+            logits = self.train_readout(out, self.frozen["lm_head"])  # [B, T, Vt]
+            preds.append(self.train_token_ids(logits.detach().argmax(-1)))
             if j >= trained:
                 continue
             scored = shift_left(loss_mask.bool(), 2, fill=False) & (t >= j)  # x_{t+2} is learnt, anchor >= 0

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from heads.base import DraftHead, TargetFeatures, check_layer_ids, register_head
+from heads.base import DraftHead, TargetFeatures, check_layer_ids, most_frequent, register_head
 from heads.layers import (OneLayerDrafting, head_loss, kl_to_target, masked_mean, new_decoder_layer,
                           new_rms_norm, positive_int, require, resolve_options, rotary, shift_left,
                           unrolled_accuracy)
@@ -75,6 +75,10 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
     def draft_ids(self) -> Tensor:  # [Vd] target id of each draft id
         return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
 
+    @property
+    def train_ids(self) -> Tensor:  # the read-out is trained over the draft vocabulary itself
+        return self.draft_ids
+
     def init_from_target(self) -> None:
         with torch.no_grad():
             self.lm_head.weight.copy_(self.frozen["lm_head"].weight[self.draft_ids])
@@ -84,8 +88,7 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         """Keep the Vd most frequent target tokens (ties: lower id first) as the draft vocabulary."""
         V = self.target_config.vocab_size
         require(token_counts.shape == (V,), f"token_counts must have shape [{V}], got {tuple(token_counts.shape)}")
-        order = torch.sort(token_counts.long().cpu(), descending=True, stable=True).indices
-        ids = order[: self.draft_vocab_size].sort().values.to(self.d2t.device)
+        ids = most_frequent(token_counts, self.draft_vocab_size).to(self.d2t.device)
         self.d2t.copy_(ids - torch.arange(self.draft_vocab_size, device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True
@@ -136,12 +139,12 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         trained = o["ttt_steps"]
         steps = trained if self.training else self.num_depths
         outs = self.unroll(input_ids, self.fuse(feats), steps)  # [B, T, h] per step, query t drafts x_{t+2}
-        p_next = shift_left(self.target_draft_logits(feats), 1)  # target's x_{t+2} logits on the draft vocab
+        p_next = shift_left(self.target_train_logits(feats), 1)  # target's x_{t+2} logits on the draft vocab
         t = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         loss, preds, metrics = 0.0, [], {}
         for j, out in enumerate(outs):
             logits = self.draft_logits(out)  # [B, T, Vd]
-            preds.append(self.draft_ids[logits.detach().argmax(-1)])
+            preds.append(self.train_token_ids(logits.detach().argmax(-1)))
             if j >= trained:
                 continue
             scored = shift_left(loss_mask.bool(), 2, fill=False) & (t >= j)
@@ -151,10 +154,3 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         correct, count = unrolled_accuracy(preds, self.num_depths, input_ids, loss_mask)
         return head_loss(loss, correct, count, **metrics)
 
-    @torch.no_grad()
-    def target_draft_logits(self, feats: TargetFeatures) -> Tensor:
-        """The target's logits restricted to the draft vocabulary, [B, T, Vd]."""
-        if feats.logits is not None:
-            return feats.logits[..., self.draft_ids].float()
-        weight = self.frozen["lm_head"].weight[self.draft_ids]  # only Vd rows of the target's LM head
-        return (feats.last_hidden @ weight.T).float()

@@ -328,14 +328,6 @@ def kl_to_target(logits: Tensor, target_logits: Tensor) -> Tensor:
     return terms.masked_fill(~support, 0.0).sum(-1)
 
 
-def target_logits_of(head, feats: TargetFeatures) -> Tensor:
-    """The target's logits [B, T, V] (computed from its last hidden state when not cached)."""
-    if feats.logits is not None:
-        return feats.logits
-    with torch.no_grad():
-        return head.target_logits(feats.last_hidden).float()
-
-
 def head_loss(loss: Tensor, correct: Tensor, count: Tensor, **metrics: Tensor) -> HeadLoss:
     return HeadLoss(loss, correct.detach(), count.detach(), {k: float(v) for k, v in metrics.items()})
 

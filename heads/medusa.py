@@ -18,9 +18,9 @@ from torch import Tensor, nn
 
 from heads.base import DraftHead, HeadError, TargetFeatures, register_head
 from heads.layers import (chain_accuracy, head_loss, labels_at_depth, last_valid, masked_mean, positive_int,
-                          resolve_options, kl_to_target, target_logits_of)
+                          resolve_options, kl_to_target)
 
-DEFAULTS = dict(num_heads=4, num_layers=1, decay=0.8, loss="ce")
+DEFAULTS = dict(num_heads=4, num_layers=1, decay=0.8, loss="ce", train_vocab=None)
 CHOICES = dict(loss=("ce", "kl"))
 
 
@@ -79,20 +79,22 @@ class MedusaHead(DraftHead):
     def forward(self, input_ids: Tensor, loss_mask: Tensor, feats: TargetFeatures):
         decay, kl = self.options["decay"], self.options["loss"] == "kl"
         # self-distillation: the target's distribution for x_{t+k+2} is its logits at position t+k+1
-        target = target_logits_of(self, feats) if kl else None
+        target = self.target_train_logits(feats) if kl else None  # [B, T, Vt]
         loss, preds, per_head = 0.0, [], {}
-        for k, logits in enumerate(self.anchor_logits(input_ids, feats)):  # [B, T, V]: t -> x_{t+k+2}
-            labels, scored = labels_at_depth(input_ids, loss_mask, k + 1)
+        for k in range(self.num_depths):
+            logits = self.train_readout(self.blocks[k](feats.last_hidden), self.lm_heads[k])  # [B, T, Vt]
+            labels, scored = labels_at_depth(input_ids, loss_mask, k + 1)  # t -> x_{t+k+2}
             if kl:
                 p_logits = torch.cat([target[:, k + 1:], target[:, -1:].expand(-1, k + 1, -1)], 1)
                 per_pos = kl_to_target(logits, p_logits)
             else:
-                per_pos = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
-                per_pos = per_pos.view_as(labels)
+                compact = self.train_labels(labels)  # -100 outside the training vocabulary: no loss there
+                per_pos = F.cross_entropy(logits.flatten(0, 1).float(), compact.flatten(), reduction="none")
+                per_pos, scored = per_pos.view_as(labels), scored & (compact >= 0)
             head_k = masked_mean(per_pos, scored)
             loss = loss + decay ** k * head_k
             per_head[f"loss_head{k}"] = head_k.detach()
-            preds.append(logits.detach().argmax(-1))
+            preds.append(self.train_token_ids(logits.detach().argmax(-1)))
         correct, count = chain_accuracy(preds, input_ids, loss_mask)
         return head_loss(loss, correct, count, **per_head)
 

@@ -34,7 +34,7 @@ from heads.layers import (ContextKV, JoinKV, attend_mask, chain_accuracy, contex
                           labels_at_depth, last_valid, masked_mean, new_decoder_layer, new_rms_norm,
                           positive_int, require, resolve_options, rotary, self_mask, shift_left, valid_slots)
 
-DEFAULTS = dict(num_modules=3, loss_weights=None)
+DEFAULTS = dict(num_modules=3, loss_weights=None, train_vocab=None)
 
 
 class MTPModule(nn.Module):
@@ -96,27 +96,33 @@ class MTPHead(DraftHead):
 
     def anchor_logits(self, input_ids: Tensor, feats: TargetFeatures) -> list[Tensor]:
         """Teacher-forced drafts: [d-1] = logits [B, T, V] of the depth-d draft (module d at anchor c)."""
+        return [self.logits(k, out) for k, out in enumerate(self.anchor_outputs(input_ids, feats))]
+
+    def anchor_outputs(self, input_ids: Tensor, feats: TargetFeatures) -> list[Tensor]:
+        """[d-1] = module d's output h^d [B, T, h] at each anchor (teacher-forced tokens)."""
         B, T = input_ids.shape
         pos = torch.arange(T, device=input_ids.device)[None].expand(B, T)
         everyone = torch.ones_like(pos, dtype=torch.bool)
-        hidden, out_logits = feats.last_hidden, []
+        hidden, outs = feats.last_hidden, []
         for k in range(self.num_depths):
             mask = attend_mask(pos, pos, everyone, gap=k) | self_mask(T, pos.device)
             hidden = self.step(k)(self.embed(shift_left(input_ids, k + 1)), hidden, pos, JoinKV(), mask)
-            out_logits.append(self.logits(k, hidden))
-        return out_logits
+            outs.append(hidden)
+        return outs
 
     # ----------------------------------------------------------------------------------- training
     def forward(self, input_ids: Tensor, loss_mask: Tensor, feats: TargetFeatures):
         weights = self.options["loss_weights"] or [1.0 / self.num_depths] * self.num_depths
         loss, preds, metrics = 0.0, [], {}
-        for k, logits in enumerate(self.anchor_logits(input_ids, feats)):  # [B, T, V]: i -> x_{i+k+2}
+        for k, out in enumerate(self.anchor_outputs(input_ids, feats)):  # i -> x_{i+k+2}
+            logits = self.train_readout(self.layers[k].shared_head.norm(out), self.frozen["lm_head"])  # [B, T, Vt]
             labels, scored = labels_at_depth(input_ids, loss_mask, k + 1)
-            ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
-            depth_loss = masked_mean(ce.view_as(labels), scored)
+            compact = self.train_labels(labels)  # -100 outside the training vocabulary: no loss there
+            ce = F.cross_entropy(logits.flatten(0, 1).float(), compact.flatten(), reduction="none")
+            depth_loss = masked_mean(ce.view_as(labels), scored & (compact >= 0))
             loss = loss + weights[k] * depth_loss
             metrics[f"loss_depth{k + 1}"] = depth_loss.detach()
-            preds.append(logits.detach().argmax(-1))
+            preds.append(self.train_token_ids(logits.detach().argmax(-1)))
         correct, count = chain_accuracy(preds, input_ids, loss_mask)
         return head_loss(loss, correct, count, **metrics)
 

@@ -1,12 +1,21 @@
-"""Training throughput and peak memory per head kind, online vs offline hidden states, by sequence length.
+"""Training throughput per head kind: the head's step with the training vocabulary (the defaults: read-out
+over the 8,192 most frequent training tokens) against the same step over the whole vocabulary, and (with
+--scaling) online vs offline hidden states and peak memory by sequence length.
 
-One training step = the target's features for a batch (online: a no-grad forward of the frozen target;
+The default run times, for each head, one training step of the head alone (forward, backward, AdamW step;
+the target's features computed once beforehand, as the offline cache serves them) at a batch like the
+default job's, for the read-out over the whole vocabulary (the recipe before the training vocabulary:
+`train_vocab=null`, EAGLE-3 `draft_vocab_size=32000`) and for the defaults, interleaved so that machine
+noise hits both alike. The last line is the default head's (EAGLE's) speed-up.
+
+With --scaling, one training step = the target's features for a batch (online: a no-grad forward of the frozen target;
 offline: reading them back from the hidden-state cache, train.data.hidden_cache, built first) + the
 head's own part (forward, backward, AdamW step). The two parts are timed apart, so the head's own cost
 per token can be checked to grow no worse than linearly with the sequence length.
 
-    python scripts/bench_train.py                                   # SmolLM2-135M, all heads, 256..2048, CPU
-    python scripts/bench_train.py --heads eagle3 --lengths 512 2048 --device cuda --dtype bf16
+    python scripts/bench_train.py                                   # SmolLM2-135M, all heads: vocab before/after
+    python scripts/bench_train.py --scaling                         # all heads, 256..2048, online vs offline
+    python scripts/bench_train.py --scaling --heads eagle3 --lengths 512 2048 --device cuda --dtype bf16
     python scripts/bench_train.py --quick                           # tiny random target (smoke test)
 """
 
@@ -36,10 +45,13 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2, help="timed steps per point (after one warm-up)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--scaling", action="store_true", help="online vs offline by sequence length")
+    p.add_argument("--vocab-batch", type=int, default=4, help="sequences per step for the vocabulary comparison")
+    p.add_argument("--vocab-length", type=int, default=256, help="tokens per sequence for the vocabulary comparison")
     p.add_argument("--quick", action="store_true", help="tiny random target, lengths 32 and 64 (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
-        args.target, args.lengths, args.steps = "tiny-random", [32, 64], 1
+        args.target, args.lengths, args.steps, args.vocab_length = "tiny-random", [32, 64], 1, 32
     return args
 
 
@@ -94,6 +106,16 @@ def make_batch(target, length: int, batch: int, device) -> dict:
 def head_options(kind: str) -> dict:
     cfg = OmegaConf.load(bc.REPO / "conf" / "head" / f"{kind}.yaml")
     return OmegaConf.to_container(cfg.options, resolve=True)
+
+
+WHOLE_VOCAB = {"eagle3": {"draft_vocab_size": 32000}}  # EAGLE-3's read-out is its draft vocabulary
+
+
+def whole_vocab_options(kind: str) -> dict:
+    """The defaults with the read-out trained over the whole vocabulary (before the training vocabulary)."""
+    options = head_options(kind)
+    options.update(WHOLE_VOCAB.get(kind, {"train_vocab": None} if "train_vocab" in options else {}))
+    return options
 
 
 def time_features(target, batch, layers, args, cache_dir: Path):
@@ -151,8 +173,62 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     target = bc.load_bench_target(args.target, args.device, args.dtype)
     dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
-    print(f"machine: {bc.machine()}; target {target.spec.name} {dtype} on {args.device}, batch {args.batch}, "
-          f"{args.steps} timed steps per point")
+    print(f"machine: {bc.machine()}; target {target.spec.name} {dtype} on {args.device}")
+    if args.scaling:
+        scaling(target, args)
+    else:
+        vocabulary(target, args)
+
+
+def vocabulary(target, args) -> None:
+    """Head step tokens/s: read-out over the whole vocabulary vs the training vocabulary (the defaults)."""
+    print(f"head step only (forward + backward + AdamW), batch {args.vocab_batch} x {args.vocab_length} tokens, "
+          f"{args.steps} timed steps per point, the two recipes interleaved")
+    batch = make_batch(target, args.vocab_length, args.vocab_batch, args.device)
+    counts = token_frequencies(target, batch)
+    rows, speedup = [], {}
+    for kind in args.heads:
+        heads = {}
+        for name, options in (("whole vocabulary", whole_vocab_options(kind)), ("training vocabulary",
+                                                                                head_options(kind))):
+            torch.manual_seed(0)
+            head = build_head(kind, target, **options).to(args.device).train()
+            head.init_from_data(counts)
+            heads[name] = head
+        feats = compute_features(target.model, batch["input_ids"], batch["attention_mask"],
+                                 heads["whole vocabulary"].feature_layers())
+        seconds = {name: [] for name in heads}
+        for _ in range(3):  # interleaved repeats: a busy moment slows both recipes
+            for name, head in heads.items():
+                seconds[name].append(time_head(head, batch, feats, args)[0])
+        tokens = args.vocab_batch * args.vocab_length
+        best = {name: min(s) for name, s in seconds.items()}
+        for name, head in heads.items():
+            rows.append({"head": kind, "read-out": name, "rows": readout_rows(head),
+                         "head ms/step": 1e3 * best[name], "train tok/s": tokens / best[name]})
+        speedup[kind] = best["whole vocabulary"] / best["training vocabulary"]
+        del heads
+    bc.print_table(rows, "\n(rows = read-out rows trained per position; best of 3 interleaved repeats)")
+    for kind, ratio in speedup.items():
+        print(f"{kind}: training vocabulary {ratio:.2f}x the tokens/s of the whole-vocabulary read-out")
+    kind = "eagle" if "eagle" in speedup else next(iter(speedup))
+    bc.headline(speedup[kind], f"{kind} head step, training vocabulary vs whole vocabulary (tokens/s)")
+
+
+def token_frequencies(target, batch) -> torch.Tensor:
+    """Counts as from real data: BPE ids ordered by merge rank, so lower ids are more frequent."""
+    V = target.config.vocab_size
+    return torch.arange(V, 0, -1, dtype=torch.long)
+
+
+def readout_rows(head) -> int:
+    ids = head.train_ids
+    return head.target_config.vocab_size if ids is None else int(ids.numel())
+
+
+def scaling(target, args) -> None:
+    dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
+    print(f"batch {args.batch}, {args.steps} timed steps per point ({dtype})")
     mib = 2**20
     rows, growth = [], {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,11 +31,12 @@ class HeadConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw | muon (Muon on the head's hidden weight matrices, AdamW on the rest)
     lr: float = MISSING  # peak learning rate (per-head defaults in conf/optim/head/<kind>.yaml)
     betas: List[float] = MISSING  # AdamW (beta1, beta2)
     eps: float = MISSING
     weight_decay: float = MISSING  # on weight matrices only, never on norms and biases
-    schedule: str = MISSING  # cosine | constant (both after a linear warmup)
+    schedule: str = MISSING  # cosine | linear (decay to lr * min_lr_ratio) | constant, after a linear warmup
     warmup_steps: Optional[int] = MISSING  # wins over warmup_ratio when set
     warmup_ratio: float = MISSING  # share of train.max_steps spent warming up
     min_lr_ratio: float = MISSING  # cosine ends at lr * min_lr_ratio
@@ -91,13 +92,15 @@ register_configs()
 
 # ------------------------------------------------------------------------------------- value checks
 
-SCHEDULES = ("cosine", "constant")
+SCHEDULES = ("cosine", "linear", "constant")
+OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 DEVICES = ("auto", "cpu")
 LOGGERS = ("none", "wandb")
 
 # (key, is the value fine?, what a fine value is)
 RULES = [
+    ("optim.name", lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
     ("optim.lr", lambda v: v > 0, "> 0"),
     ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1)"),
     ("optim.eps", lambda v: v > 0, "> 0"),

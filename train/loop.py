@@ -43,7 +43,7 @@ class Job:
 
     accelerator: Accelerator
     model: torch.nn.Module  # the head, wrapped for DDP / DeepSpeed
-    optimizer: torch.optim.Optimizer
+    optimizers: list[torch.optim.Optimizer]  # AdamW, or Muon + AdamW
     train_dl: DataLoader
     val_dl: DataLoader | None
     features: Callable  # batch -> TargetFeatures of the frozen target
@@ -72,7 +72,7 @@ def train(cfg: DictConfig) -> Path:
     job.model.train()
     while step < end:
         lr = lr_at(step, cfg.optim, t.max_steps)
-        for group in job.optimizer.param_groups:
+        for group in (g for opt in job.optimizers for g in opt.param_groups):
             group["lr"] = lr
         for _ in range(t.grad_accum):
             micro_step(job, next(batches), window, max_norm=cfg.optim.grad_clip or math.inf)
@@ -174,15 +174,15 @@ def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
     head.init_from_data(head.token_counts)
     data_cfg = with_hidden_cache(cfg.data, accelerator, target, [train_ds, val_ds], head.feature_layers())
     features = make_feature_source(data_cfg, target, head.feature_layers())
-    optimizer = make_optimizer(head, cfg.optim)
+    optimizers = make_optimizers(head, cfg.optim)
     train_dl, val_dl = make_loaders(cfg, train_ds, val_ds, target.tokenizer.pad_token_id,
                                     accelerator.num_processes)
     configure_deepspeed(accelerator, cfg)
-    model, optimizer, train_dl = accelerator.prepare(head, optimizer, train_dl)
+    model, *optimizers, train_dl = accelerator.prepare(head, *optimizers, train_dl)
     if val_dl is not None:
         val_dl = accelerator.prepare(val_dl)
     set_seed(t.seed, device_specific=True)  # training noise differs per rank
-    return Job(accelerator, model, optimizer, train_dl, val_dl, features)
+    return Job(accelerator, model, optimizers, train_dl, val_dl, features)
 
 
 def restore(cfg: DictConfig, accelerator: Accelerator, run_dir: Path) -> tuple[dict, bool]:
@@ -209,13 +209,23 @@ def load_frozen_target(accelerator: Accelerator, cfg: DictConfig):
         return load_target(OmegaConf.to_container(cfg.target, resolve=True), device=accelerator.device)
 
 
-def make_optimizer(head: DraftHead, optim: DictConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (nanoGPT): norms and biases are not decayed."""
-    params = [p for p in head.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, betas=tuple(optim.betas),
-                             eps=optim.eps)
+def make_optimizers(head: DraftHead, optim: DictConfig) -> list[torch.optim.Optimizer]:
+    """AdamW; weight decay on matrices only (nanoGPT): norms and biases are not decayed.
+    `optim.name=muon`: Muon (orthogonalised momentum, torch.optim.Muon, its update scaled to AdamW's RMS so
+    the same lr and weight decay apply) for the hidden weight matrices, AdamW for read-outs, norms, biases."""
+    params = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
+    matrices = [p for n, p in params if p.dim() >= 2]
+    if optim.name == "muon":
+        hidden = [p for n, p in params if p.dim() == 2 and "lm_head" not in n]  # read-outs stay on AdamW
+        matrices = [p for p in matrices if all(p is not q for q in hidden)]
+    groups = [{"params": matrices, "weight_decay": optim.weight_decay},
+              {"params": [p for n, p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, betas=tuple(optim.betas),
+                                    eps=optim.eps)]
+    if optim.name == "muon" and hidden:
+        optimizers.insert(0, torch.optim.Muon(hidden, lr=optim.lr, weight_decay=optim.weight_decay,
+                                              adjust_lr_fn="match_rms_adamw"))
+    return optimizers
 
 
 def make_loaders(cfg: DictConfig, train_ds, val_ds, pad_id: int, num_processes: int):
@@ -237,6 +247,9 @@ def make_loaders(cfg: DictConfig, train_ds, val_ds, pad_id: int, num_processes: 
 def configure_deepspeed(accelerator: Accelerator, cfg: DictConfig) -> None:
     """DeepSpeed clips gradients itself: give it optim.grad_clip where its config says "auto"."""
     plugin = accelerator.state.deepspeed_plugin
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and cfg.optim.name != "adamw":
+        raise ConfigError(f"optim.name={cfg.optim.name} needs whole weight matrices, which DeepSpeed shards: "
+                          f"use optim=adamw under DeepSpeed, or DDP (conf/accelerate/multi_gpu.yaml)")
     if accelerator.distributed_type == DistributedType.DEEPSPEED and plugin is not None:
         if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
             plugin.deepspeed_config["gradient_clipping"] = float(cfg.optim.grad_clip)
@@ -245,7 +258,7 @@ def configure_deepspeed(accelerator: Accelerator, cfg: DictConfig) -> None:
 # ------------------------------------------------------------------------------------------ step
 
 def lr_at(step: int, optim: DictConfig, max_steps: int) -> float:
-    """Linear warmup, then cosine decay to lr * min_lr_ratio (or constant)."""
+    """Linear warmup, then a cosine or linear decay to lr * min_lr_ratio (or constant)."""
     warmup = optim.warmup_steps if optim.warmup_steps is not None else round(optim.warmup_ratio * max_steps)
     if step < warmup:
         return optim.lr * (step + 1) / (warmup + 1)
@@ -253,7 +266,8 @@ def lr_at(step: int, optim: DictConfig, max_steps: int) -> float:
         return optim.lr
     progress = (step - warmup) / max(1, max_steps - warmup)  # 0 -> 1
     min_lr = optim.lr * optim.min_lr_ratio
-    return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (optim.lr - min_lr)
+    remaining = 1 - progress if optim.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return min_lr + remaining * (optim.lr - min_lr)
 
 
 def micro_step(job: Job, batch: dict, window: "Window", max_norm: float) -> None:
@@ -265,8 +279,9 @@ def micro_step(job: Job, batch: dict, window: "Window", max_norm: float) -> None
         accelerator.backward(out.loss)
         if accelerator.sync_gradients:
             window.grad_norm = accelerator.clip_grad_norm_(job.model.parameters(), max_norm)
-        job.optimizer.step()
-        job.optimizer.zero_grad(set_to_none=True)
+        for optimizer in job.optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     window.add(out, batch)
 
 

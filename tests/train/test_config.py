@@ -89,7 +89,7 @@ def test_a_wrong_type_fails_at_compose_time():
     ("train.max_steps=0", "train.max_steps"),
     ("train.batch_size=0", "train.batch_size"),
     ("optim.betas=[0.9,1.5]", "optim.betas"),
-    ("optim.schedule=linear", "optim.schedule"),
+    ("optim.schedule=exponential", "optim.schedule"),
     ("precision=fp8", "precision"),
 ])
 def test_a_bad_value_fails_with_one_line_naming_the_key(override, key):
@@ -118,3 +118,6 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
     assert lrs[55] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 0.5)) * 9e-4)
     constant = OmegaConf.merge(optim, {"schedule": "constant"})
     assert lr_at(99, constant, 100) == 1e-3
+    linear = OmegaConf.merge(optim, {"schedule": "linear"})
+    assert lr_at(55, linear, 100) == pytest.approx(1e-4 + 0.5 * 9e-4)  # halfway down a straight line
+    assert lr_at(100, linear, 100) == pytest.approx(1e-4)

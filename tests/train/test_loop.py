@@ -81,6 +81,35 @@ def test_resume_after_a_stop_equals_an_uninterrupted_run(tmp_path):
     assert rows(resumed, "val")[-1]["sim_tau"] == pytest.approx(rows(straight, "val")[-1]["sim_tau"])
 
 
+def test_muon_trains_hidden_matrices_and_resumes_like_an_uninterrupted_run(tmp_path):
+    """optim=muon: Muon holds the head's hidden weight matrices, AdamW the read-out, norms and biases; both
+    optimizers' states come back on resume."""
+    from heads.base import build_head
+    from heads.target import load_target
+    from omegaconf import OmegaConf
+    from train.loop import make_optimizers
+
+    cfg = compose_train("head=eagle3", "experiment=smoke", "optim=muon")
+    head = build_head("eagle3", load_target({"path": "tiny-random", "name": "tiny-random"}))
+    muon, adamw = make_optimizers(head, cfg.optim)
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
+    names = {n for n, p in head.named_parameters() if id(p) in in_muon}
+    assert "fc.weight" in names and "midlayer.self_attn.q_proj.weight" in names and "lm_head.weight" not in names
+    assert all(p.dim() == 2 for g in muon.param_groups for p in g["params"])
+    assert not in_muon & {id(p) for g in adamw.param_groups for p in g["params"]}
+    assert OmegaConf.select(cfg, "optim.weight_decay") == 0.01
+
+    common = ["head=eagle3", "experiment=smoke", "optim=muon", "train.max_steps=6", "train.save_every=0"]
+    straight = train(compose_train(*common, run_dir=tmp_path / "straight"))
+    train(compose_train(*common, "train.stop_after=4", run_dir=tmp_path / "split"))
+    resumed = train(compose_train(*common, "resume=latest", run_dir=tmp_path / "split"))
+    a = load_file(str(straight / "final" / "model.safetensors"))
+    b = load_file(str(resumed / "final" / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_resume_finds_checkpoints_and_rejects_bad_paths(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / ".tmp_step_0000009").mkdir(parents=True)  # a save killed half-way

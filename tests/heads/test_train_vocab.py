@@ -1,0 +1,90 @@
+"""The training vocabulary: heads that read out through a [V, h] matrix train over the `train_vocab` most
+frequent training tokens only (the target's distribution renormalised there), at Vt/V of the cost."""
+
+import pytest
+import torch
+
+from head_helpers import features, make_head
+from heads.layers import kl_to_target, masked_mean, shift_left
+
+READOUT_KINDS = ["eagle", "medusa", "mtp"]
+
+
+def counts_favouring(ids, vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    counts[ids] = torch.arange(len(ids), 0, -1) + 10
+    return counts
+
+
+def loss_of(head, target, batch):
+    head.train()
+    return head(batch["input_ids"], batch["loss_mask"], features(head, target, batch))
+
+
+@pytest.mark.parametrize("kind", READOUT_KINDS)
+def test_a_training_vocabulary_as_large_as_the_target_vocabulary_changes_nothing(kind, target, batch):
+    V = target.config.vocab_size
+    counts = torch.randint(0, 50, (V,))
+    whole = make_head(kind, target, train_vocab=None, **({"noise": 0.0} if kind == "eagle" else {}))
+    capped = make_head(kind, target, train_vocab=V, **({"noise": 0.0} if kind == "eagle" else {}))
+    for head in (whole, capped):
+        head.init_from_data(counts)
+    assert capped.train_ids is None
+    torch.testing.assert_close(loss_of(capped, target, batch).loss, loss_of(whole, target, batch).loss,
+                               rtol=0, atol=0)
+
+
+def test_eagle_loss_is_the_renormalised_kl_on_the_kept_rows(target, batch):
+    """Independent path: full-vocabulary logits of head and target, then keep the columns of the ids."""
+    V = target.config.vocab_size
+    keep = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:37]
+    head = make_head("eagle", target, train_vocab=37, noise=0.0, feature_weight=0.0, token_weight=1.0)
+    head.init_from_data(counts_favouring(keep, V))
+    assert torch.equal(head.train_ids, keep.sort().values)
+    out = loss_of(head, target, batch)
+
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    feats = features(head, target, batch)
+    with torch.no_grad():
+        step1 = head.unroll(ids, feats.last_hidden, 1)[0]
+        q = head.target_logits(step1)[..., head.train_ids]  # [B, T, Vt]
+        p = shift_left(head.target_logits(feats.last_hidden)[..., head.train_ids], 1)
+        expected = masked_mean(kl_to_target(q, p), shift_left(mask.bool(), 2, fill=False))
+    torch.testing.assert_close(out.loss.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", READOUT_KINDS)
+def test_labels_outside_the_training_vocabulary_are_misses(kind, target, batch):
+    """With only tokens that never occur as labels kept, no draft can be right, and the loss stays finite."""
+    V = target.config.vocab_size
+    labels = set(batch["input_ids"][batch["loss_mask"]].tolist())
+    absent = torch.tensor([t for t in range(V) if t not in labels][:16])
+    head = make_head(kind, target, train_vocab=16)
+    head.init_from_data(counts_favouring(absent, V))
+    out = loss_of(head, target, batch)
+    assert torch.isfinite(out.loss)
+    assert int(out.depth_count[0]) > 0 and int(out.depth_correct.sum()) == 0
+
+
+def test_medusa_learns_only_the_rows_it_reads(target, batch):
+    V = target.config.vocab_size
+    keep = torch.arange(5, 45)
+    head = make_head("medusa", target, train_vocab=40)
+    head.init_from_data(counts_favouring(keep, V))
+    loss_of(head, target, batch).loss.backward()
+    grad = head.lm_heads[0].weight.grad  # [V, h]
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[keep] = False
+    assert grad[outside].abs().max() == 0
+    assert grad[keep].abs().max() > 0
+
+
+def test_labels_map_to_training_slots_and_back(target):
+    V = target.config.vocab_size
+    head = make_head("mtp", target, train_vocab=10)
+    keep = torch.tensor([3, 7, 11, 50, 51, 52, 60, 61, 90, 99])
+    head.init_from_data(counts_favouring(keep, V))
+    labels = torch.tensor([[3, 4, 99, 0, 61]])
+    slots = head.train_labels(labels)
+    assert slots.tolist() == [[0, -100, 9, -100, 7]]
+    assert head.train_token_ids(slots.clamp(min=0)).tolist() == [[3, 3, 99, 3, 61]]
