@@ -25,18 +25,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import DraftHead, TargetFeatures, register_head
-from heads.layers import (OneLayerDrafting, head_loss, kl_to_target, masked_mean, new_decoder_layer,
-                          positive_int, require, resolve_options, rotary, shift_left,
-                          unrolled_accuracy)
+from heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, head_loss, kl_to_target,
+                          masked_mean, new_decoder_layer, positive_int, require, resolve_options, rotary,
+                          shift_left, unrolled_accuracy)
 
 DEFAULTS = dict(feature_weight=1.0, token_weight=0.1, noise=0.2, ttt_steps=1, step_decay=0.8, eval_depths=4,
-                train_vocab=None)
+                train_vocab=None, init_layer="random")
 
 
 @register_head("eagle")
 class EagleHead(OneLayerDrafting, DraftHead):
     def __init__(self, target_config, **options):
-        opts = resolve_options("eagle", DEFAULTS, options)
+        opts = resolve_options("eagle", DEFAULTS, options, {"init_layer": INIT_LAYER})
         positive_int("eagle", opts, "ttt_steps", "eval_depths")
         require(opts["noise"] >= 0, f"head 'eagle': noise must be >= 0, got {opts['noise']}")
         super().__init__(target_config, **opts)
@@ -44,6 +44,10 @@ class EagleHead(OneLayerDrafting, DraftHead):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList([new_decoder_layer(target_config)])
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1: fc's output goes straight into attention
+
+    def init_from_target(self) -> None:
+        if self.options["init_layer"] == "last":
+            copy_target_layer(self.layers[0], self.frozen["last_layer"])
 
     @property
     def num_depths(self) -> int:

@@ -29,11 +29,12 @@ import torch
 from torch import Tensor, nn
 
 from heads.base import DraftHead, TargetFeatures, check_layer_ids, most_frequent, register_head
-from heads.layers import (OneLayerDrafting, head_loss, kl_to_target, masked_mean, new_decoder_layer,
-                          new_rms_norm, positive_int, require, resolve_options, rotary, shift_left,
-                          unrolled_accuracy)
+from heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, head_loss, kl_to_target,
+                          masked_mean, new_decoder_layer, new_rms_norm, positive_int, require, resolve_options,
+                          rotary, shift_left, unrolled_accuracy)
 
-DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4)
+DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4,
+                init_layer="random")
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -47,7 +48,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
 @register_head("eagle3")
 class Eagle3Head(OneLayerDrafting, DraftHead):
     def __init__(self, target_config, **options):
-        opts = resolve_options("eagle3", DEFAULTS, options)
+        opts = resolve_options("eagle3", DEFAULTS, options, {"init_layer": INIT_LAYER})
         positive_int("eagle3", opts, "draft_vocab_size", "ttt_steps", "eval_depths")
         N, h, V = target_config.num_hidden_layers, target_config.hidden_size, target_config.vocab_size
         aux = opts["aux_layers"]
@@ -83,6 +84,8 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         with torch.no_grad():
             self.lm_head.weight.copy_(self.frozen["lm_head"].weight[self.draft_ids])
             self.norm.weight.copy_(self.frozen["norm"].weight)
+        if self.options["init_layer"] == "last":
+            copy_target_layer(self.midlayer, self.frozen["last_layer"])
 
     def init_from_data(self, token_counts: Tensor) -> None:
         """Keep the Vd most frequent target tokens (ties: lower id first) as the draft vocabulary."""

@@ -77,6 +77,27 @@ def new_decoder_layer(config) -> nn.Module:
     return decoder_layer_class(config)(head_layer_config(config), layer_idx=0)
 
 
+INIT_LAYER = ("random", "last")
+
+
+@torch.no_grad()
+def copy_target_layer(head_layer: nn.Module, target_layer: nn.Module) -> None:
+    """Start a head's decoder layer from the target's last one (`init_layer=last`): a head predicts what
+    the target's top layer computes, so its weights are a closer start than random ones. Parameters of equal
+    shape are copied; a projection reading a wider input [.., k*h] than the target's [.., h] (EAGLE-3's
+    q/k/v over cat(embedding, feature)) takes the target's weight for its last h columns (the feature);
+    parameters the target lacks keep their initialisation."""
+    source = dict(target_layer.named_parameters())
+    for name, param in head_layer.named_parameters():
+        src = source.get(name)
+        if src is None:
+            continue
+        if src.shape == param.shape:
+            param.copy_(src)
+        elif src.dim() == 2 and src.shape[0] == param.shape[0] and param.shape[1] % src.shape[1] == 0:
+            param[:, -src.shape[1]:].copy_(src)
+
+
 def new_rms_norm(layer: nn.Module, config) -> nn.Module:
     """An RMSNorm of the target's own flavour (the class its decoder layer uses)."""
     return type(layer.post_attention_layernorm)(config.hidden_size, eps=config.rms_norm_eps)

@@ -30,11 +30,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import DraftHead, HeadError, TargetFeatures, register_head
-from heads.layers import (ContextKV, JoinKV, attend_mask, chain_accuracy, context_begin, head_loss,
-                          labels_at_depth, last_valid, masked_mean, new_decoder_layer, new_rms_norm,
-                          positive_int, require, resolve_options, rotary, self_mask, shift_left, valid_slots)
+from heads.layers import (INIT_LAYER, ContextKV, JoinKV, attend_mask, chain_accuracy, context_begin,
+                          copy_target_layer, head_loss, labels_at_depth, last_valid, masked_mean,
+                          new_decoder_layer, new_rms_norm, positive_int, require, resolve_options, rotary,
+                          self_mask, shift_left, valid_slots)
 
-DEFAULTS = dict(num_modules=3, loss_weights=None, train_vocab=None)
+DEFAULTS = dict(num_modules=3, loss_weights=None, train_vocab=None, init_layer="random")
 
 
 class MTPModule(nn.Module):
@@ -59,7 +60,7 @@ class MTPState:
 @register_head("mtp")
 class MTPHead(DraftHead):
     def __init__(self, target_config, **options):
-        opts = resolve_options("mtp", DEFAULTS, options)
+        opts = resolve_options("mtp", DEFAULTS, options, {"init_layer": INIT_LAYER})
         positive_int("mtp", opts, "num_modules")
         D, weights = opts["num_modules"], opts["loss_weights"]
         require(weights is None or len(weights) == D,
@@ -71,6 +72,8 @@ class MTPHead(DraftHead):
         with torch.no_grad():
             for module in self.layers:
                 module.shared_head.norm.weight.copy_(self.frozen["norm"].weight)
+                if self.options["init_layer"] == "last":
+                    copy_target_layer(module.mtp_block, self.frozen["last_layer"])
 
     @property
     def num_depths(self) -> int:

@@ -204,9 +204,11 @@ def _load_pretrained(spec: TargetSpec, dtype: torch.dtype):
 
 
 def target_parts(model: nn.Module) -> dict[str, nn.Module]:
-    """The frozen pieces of a target that heads reuse: embedding, final norm, LM head, rotary, layer class.
+    """The frozen pieces of a target that heads reuse: embedding, final norm, LM head, rotary, the first
+    decoder layer (its class) and the last one (a starting point for a head's own layer).
 
     Works for the Llama/Qwen2/Mistral families (`model.model.{embed_tokens,norm,rotary_emb,layers}`)."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     return {"embed_tokens": model.get_input_embeddings(), "lm_head": model.get_output_embeddings(),
-            "norm": base.norm, "rotary_emb": base.rotary_emb, "decoder_layer": base.layers[0]}
+            "norm": base.norm, "rotary_emb": base.rotary_emb, "decoder_layer": base.layers[0],
+            "last_layer": base.layers[-1]}

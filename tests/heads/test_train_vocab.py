@@ -88,3 +88,17 @@ def test_labels_map_to_training_slots_and_back(target):
     slots = head.train_labels(labels)
     assert slots.tolist() == [[0, -100, 9, -100, 7]]
     assert head.train_token_ids(slots.clamp(min=0)).tolist() == [[3, 3, 99, 3, 61]]
+
+
+@pytest.mark.parametrize("kind, layer", [("eagle", "layers.0"), ("mtp", "layers.1.mtp_block"),
+                                         ("eagle3", "midlayer")])
+def test_init_layer_last_starts_from_the_targets_last_decoder_layer(kind, layer, target):
+    last = dict(target.model.model.layers[-1].named_parameters())
+    head = make_head(kind, target, init_layer="last")
+    own = {n: p for n, p in head.named_parameters() if n.startswith(layer + ".")}
+    mlp = own[f"{layer}.mlp.down_proj.weight"]
+    assert torch.equal(mlp, last["mlp.down_proj.weight"])
+    q = own[f"{layer}.self_attn.q_proj.weight"]
+    assert torch.equal(q[:, -last["self_attn.q_proj.weight"].shape[1]:], last["self_attn.q_proj.weight"])
+    fresh = make_head(kind, target, init_layer="random")
+    assert not torch.equal(dict(fresh.named_parameters())[f"{layer}.mlp.down_proj.weight"], mlp)
