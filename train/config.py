@@ -49,6 +49,7 @@ class LoopConfig:
     batch_size: int = MISSING  # sequences per process per micro-step
     grad_accum: int = MISSING  # micro-steps per optimizer step (effective batch = batch x accum x procs)
     max_length: int = MISSING  # tokens per sequence (longer conversations are truncated)
+    group_by_length: bool = True  # batches of similar-length conversations (less padding), still shuffled
     eval_every: int = MISSING  # validate every N steps (and at the end); 0 = only at the end
     eval_batches: Optional[int] = MISSING  # validation batches per process (null = the whole split)
     save_every: int = MISSING  # full checkpoint every N steps (0 = none); a run always saves final/

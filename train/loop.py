@@ -32,6 +32,7 @@ from heads.target import load_target
 from train.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint, save_head_folder
 from train.config import ConfigError, check_config
 from train.data import build_datasets, collate_fn, make_feature_source, token_counts
+from train.data.batching import LengthGroupedBatches, example_lengths
 from train.metrics import MetricsLog
 
 log = get_logger(__name__)
@@ -233,8 +234,13 @@ def make_loaders(cfg: DictConfig, train_ds, val_ds, pad_id: int, num_processes: 
     collate = collate_fn(pad_id)
     # own generators: creating a loader iterator must not draw from the global RNG, or a resumed run's
     # training noise would drift from the uninterrupted run's
-    train_dl = DataLoader(train_ds, batch_size=t.batch_size, shuffle=True, collate_fn=collate,
-                          generator=torch.Generator().manual_seed(t.seed))
+    if t.group_by_length:
+        batches = LengthGroupedBatches(example_lengths(train_ds), t.batch_size, t.seed)
+        train_dl = DataLoader(train_ds, batch_sampler=batches, collate_fn=collate,
+                              generator=torch.Generator().manual_seed(t.seed))
+    else:
+        train_dl = DataLoader(train_ds, batch_size=t.batch_size, shuffle=True, collate_fn=collate,
+                              generator=torch.Generator().manual_seed(t.seed))
     if len(val_ds) == 0:
         log.warning("no validation split (data.val_fraction=0): no simulated tau, no best checkpoint")
         return train_dl, None

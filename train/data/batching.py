@@ -26,6 +26,48 @@ def collate_fn(pad_id: int):
     return collate
 
 
+class LengthGroupedBatches:
+    """Batches of similar-length examples, so little of a right-padded batch is padding.
+
+    Every epoch: shuffle all examples (a function of seed and epoch only, so a resumed run sees the same
+    batches), cut the order into windows of `window` batches, sort each window by length, cut it into
+    batches and shuffle the batches. Batches stay random in content and order; only their lengths are
+    alike. A batch sampler for `DataLoader(batch_sampler=...)`; accelerate reaches `set_epoch` through
+    `.sampler` when it shards the batches over processes."""
+
+    def __init__(self, lengths, batch_size: int, seed: int, window: int = 32):
+        self.lengths = torch.as_tensor(list(lengths), dtype=torch.long)  # [N]
+        self.batch_size, self.seed, self.window = batch_size, seed, window
+        self.epoch = 0
+        self.sampler = self  # where accelerate's DataLoaderShard looks for set_epoch under sharding
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return -(-len(self.lengths) // self.batch_size)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=g)  # [N]
+        span = self.batch_size * self.window
+        batches = []
+        for start in range(0, len(order), span):  # a few windows per epoch, not a loop over examples
+            chunk = order[start:start + span]
+            chunk = chunk[torch.argsort(self.lengths[chunk], descending=True, stable=True)]
+            batches += list(chunk.split(self.batch_size))
+        for i in torch.randperm(len(batches), generator=g).tolist():
+            yield batches[i].tolist()
+
+
+def example_lengths(ds) -> list[int]:
+    """Token count of every example of a tokenised dataset."""
+    out = []
+    for table in _arrow_batches(ds, ["input_ids"]):
+        out += pc.list_value_length(table["input_ids"]).to_pylist()
+    return out
+
+
 def _arrow_batches(ds, columns, batch_size: int = 4096):
     """Iterate a dataset as pyarrow tables (respects select/shuffle index mappings)."""
     yield from ds.select_columns(columns).with_format("arrow").iter(batch_size=batch_size)
