@@ -1,0 +1,115 @@
+"""Recipe ablations: train one head per variant (each a set of overrides of the same job), evaluate every
+head on held-out prompts with one fixed tree, and print a table of validation simulated tau, held-out tau
+and acceptance by depth, and CPU minutes per variant.
+
+    python scripts/ablate.py --head eagle3 --out runs/ablate-eagle3 \
+        --variant base= --variant lr1e-3=optim.lr=1e-3 --variant muon=optim=muon,optim.lr=1e-3
+    python scripts/ablate.py --head eagle --out runs/ablate-eagle --common train.max_steps=400 \
+        --variant noise0=head.options.noise=0 --variant ttt2=head.options.ttt_steps=2
+
+A variant is `name=override[,override...]` (an empty list is the job as configured). Runs that already
+have a final/ head or an eval.json are reused, so a killed ablation continues where it stopped. The fixed
+tree is the 8-node dynamic tree (depth 3, top-3) with a static budget, so acceptance does not depend on
+this machine's speed; the chat prompts are taken round-robin over categories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FIXED_TREE = ["budget=static", "+draft.policy=dynamic", "+draft.total_tokens=8", "+draft.depth=3",
+              "+draft.top_k=3", "baselines=[]", "plot=false"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--head", required=True)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--variant", action="append", required=True, help="name=override[,override...]")
+    p.add_argument("--common", default="", help="overrides every variant shares, comma-separated")
+    p.add_argument("--prompts", nargs="+", default=["chat:16", "humaneval:8"],
+                   help="prompt sets to evaluate on, as name:count")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    return p.parse_args(argv)
+
+
+def overrides(text: str) -> list[str]:
+    return [o for o in text.split(",") if o]
+
+
+def cpu_minutes_of(cmd: list[str], log: Path) -> float:
+    """Run a command (output to `log`), fail loudly, and return the CPU minutes it used."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(log, "w") as out:
+        done = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd)} failed (exit {done.returncode}); see {log}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) / 60
+
+
+def train(args, name: str, extra: list[str]) -> tuple[Path, float | None]:
+    run = (args.out / name).resolve()
+    if (run / "final" / "config.json").is_file():
+        return run, None
+    cmd = [sys.executable, "train/main.py", f"head={args.head}", f"hydra.run.dir={run}", "resume=latest",
+           *overrides(args.common), *extra]
+    run.mkdir(parents=True, exist_ok=True)
+    return run, cpu_minutes_of(cmd, run / "train.log")
+
+
+def evaluate(args, run: Path, prompts: str, count: int) -> dict:
+    out = run / "eval" / f"{prompts}-{count}"
+    if not (out / "eval.json").is_file():
+        cmd = [sys.executable, "-m", "infer.evaluate", f"checkpoint={run / 'final'}", f"prompts={prompts}",
+               f"max_prompts={count}", f"max_new_tokens={args.max_new_tokens}", f"output={out}", *FIXED_TREE]
+        out.mkdir(parents=True, exist_ok=True)
+        cpu_minutes_of(cmd, out.parent / f"{prompts}-{count}.log")
+    return json.loads((out / "eval.json").read_text())
+
+
+def last_validation(run: Path) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    val = [r for r in rows if r.get("split") == "val"]
+    return val[-1] if val else {}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    sets = [(s.split(":")[0], int(s.split(":")[1])) for s in args.prompts]
+    table = []
+    for spec in args.variant:
+        name, _, text = spec.partition("=")
+        run, minutes = train(args, name, overrides(text))
+        row = {"variant": name, "overrides": text or "-", "val sim tau": last_validation(run).get("sim_tau")}
+        for prompts, count in sets:
+            result = evaluate(args, run, prompts, count)
+            row[f"{prompts} tau"] = result.get("tau")
+            row[f"{prompts} acceptance"] = ", ".join(f"{a:.2f}" for a in result.get("acceptance_by_depth", [])[:3])
+        row["train CPU min"] = minutes
+        table.append(row)
+        (args.out / "ablation.json").write_text(json.dumps(table, indent=1) + "\n")
+        print_table(table)
+
+
+def print_table(rows: list[dict]) -> None:
+    keys = list(rows[0])
+    fmt = lambda v: "reused" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(fmt(r.get(k)) for k in keys) + " |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
