@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from heads.files import atomic_path
 from heads.target import Target, TargetError, TargetSpec, target_parts
 
 HEAD_REGISTRY: dict[str, type["DraftHead"]] = {}
@@ -288,26 +287,18 @@ def _import_builtin_heads() -> None:
 
 
 def save_head(head: DraftHead, directory: str | os.PathLike, extra: dict | None = None) -> Path:
-    """Write `config.json` + `model.safetensors` atomically (temp dir, then rename)."""
+    """Write `config.json` + `model.safetensors` (+ token counts) as one folder, atomically."""
     from safetensors.torch import save_file
 
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        state = {k: v.detach().contiguous().cpu() for k, v in unwrap(head).state_dict().items()}
+    head = unwrap(head)
+    with atomic_path(directory, directory=True) as tmp:
+        state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "head_kind": head.kind})
-        counts = unwrap(head).token_counts
-        if counts is not None:
-            save_file({"token_counts": counts.long().cpu().contiguous()}, str(tmp / COUNTS_NAME))
-        config = dict(unwrap(head).head_config(), **(extra or {}))
+        if head.token_counts is not None:
+            save_file({"token_counts": head.token_counts.long().cpu().contiguous()}, str(tmp / COUNTS_NAME))
+        config = dict(head.head_config(), **(extra or {}))
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, default=str) + "\n")
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return directory
+    return Path(directory)
 
 
 def read_head_config(directory: str | os.PathLike) -> dict:

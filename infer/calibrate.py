@@ -32,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-from infer.weight_layout import apply_layout, current_layout
+from heads.files import write_json_atomic
+from infer.measurements import measurement_path
+from infer.weight_layout import apply_layout, current_layout, layout_path
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -87,29 +89,7 @@ class TreeBudget:
 
 def curve_path(target) -> Path:
     layout = current_layout(getattr(target, "model", target))  # the weight layout changes T(N) too
-    return _calibration_dir(target) / f"{_stem(target)}-{layout}.json"
-
-
-def layout_path(target) -> Path:
-    """Where the weight layout "auto" chose for this target and machine is cached (infer.weight_layout)."""
-    return _calibration_dir(target) / f"{_stem(target)}-layout.json"
-
-
-def _calibration_dir(target) -> Path:
-    from heads.target import cache_root
-
-    return cache_root() / "calibration"
-
-
-def _stem(target) -> str:
-    """<target>-<device>-<dtype>; device: cuda, or cpu<threads> (the thread count changes the timings)."""
-    model = getattr(target, "model", target)
-    device = next(model.parameters()).device
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    name = getattr(getattr(target, "spec", None), "name", None) or \
-        f"{model.config.model_type}-{sum(p.numel() for p in model.parameters())}"  # a bare model: type + size
-    where = f"cpu{torch.get_num_threads()}" if device.type == "cpu" else device.type
-    return f"{name}-{where}-{dtype}"
+    return measurement_path(target, layout)
 
 
 def load_curve(target) -> dict[int, float] | None:
@@ -166,11 +146,7 @@ def _forward(model, cache, tokens, anc, dtype, device):
 
 
 def _save_curve(target, curve: dict[int, float], context: int) -> None:
-    path = curve_path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"context": context, "latency_s": {str(k): v for k, v in curve.items()}}, indent=1))
-    os.replace(tmp, path)
+    write_json_atomic(curve_path(target), {"context": context, "latency_s": {str(k): v for k, v in curve.items()}})
 
 
 def main(argv: list[str] | None = None) -> int:

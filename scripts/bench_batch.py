@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.manual_seed(0)
     target = bc.load_bench_target(args.target, args.device, args.dtype)
-    prompts = [ids for _, ids in bc.bench_prompts(target.tokenizer, ["mt-bench", "humaneval"], None)]
+    prompts = [ids for _, ids in bc.bench_prompts(target.tokenizer, ["chat", "humaneval"], None)]
     drafter, drafter_name = make_drafter(args, target)
     apply_layout(target.model, "auto", target)  # the engines' weight layout: T(N) is measured under it
     throttled = TreeBudget.for_target(target, max_nodes=args.max_nodes, measure=True)  # measured T(N), cached

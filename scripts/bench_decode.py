@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--heads", nargs="*", default=[], help="head folders (a run's final/); missing ones are skipped")
-    p.add_argument("--prompt-sets", nargs="+", default=["mt-bench", "humaneval"])
+    p.add_argument("--prompt-sets", nargs="+", default=["chat", "humaneval"])
     p.add_argument("--per-set", type=int, default=4, help="prompts per set (default: a subset, for time)")
     p.add_argument("--all-prompts", action="store_true", help="every prompt of every set")
     p.add_argument("--max-new-tokens", type=int, default=128)

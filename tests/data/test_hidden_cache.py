@@ -267,7 +267,7 @@ def rewrite_shard(directory, change):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from heads.formats.common import file_sha256
+    from heads.files import file_sha256
 
     path = directory / "shard-00000.safetensors"
     with safe_open(str(path), framework="pt") as reader:

@@ -353,12 +353,12 @@ def test_eval_json_next_to_the_checkpoint_is_found(target, finals, tmp_path):
 
     final = tmp_path / "run" / "final"
     shutil.copytree(finals["medusa"][0], final)
-    for name, temp, tau in (("mt-bench-t0", 0.0, 3.25), ("mt-bench-t1", 1.0, 2.5)):  # infer.evaluate's default
+    for name, temp, tau in (("chat-t0", 0.0, 3.25), ("chat-t1", 1.0, 2.5)):  # infer.evaluate's default
         (final.parent / "eval" / name).mkdir(parents=True)
         (final.parent / "eval" / name / "eval.json").write_text(json.dumps({"temperature": temp, "tau": tau}))
     out = export_head(final, tmp_path / "m", "medusa", target=target)
     card = (out / "README.md").read_text()
-    assert "| mt-bench-t0 | 0.0 | 3.25 |" in card and "| mt-bench-t1 | 1.0 | 2.50 |" in card
+    assert "| chat-t0 | 0.0 | 3.25 |" in card and "| chat-t1 | 1.0 | 2.50 |" in card
 
 
 # -------------------------------------------------------------------------------------- bad input
