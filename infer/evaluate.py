@@ -38,13 +38,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from heads.base import HeadError, load_head, read_head_config
 from heads.files import atomic_path, write_json_atomic
-from heads.target import TargetError, TargetSpec, load_target
+from heads.target import TargetError, TargetSpec, load_target, target_preset
 from infer.engine import CacheFullError, EngineError, SpeculativeEngine, encode_prompts
 from infer.hf_generate import generation_config, hf_generate
 from infer.prompt_sets import PromptSetError, load_prompt_set
 from infer.weight_layout import check_layout, current_layout
 
-DEFAULT_TARGET = {"name": "smollm2-135m", "path": "embedded:smollm2"}
+DEFAULT_TARGET = "smollm2-135m"  # the conf/target preset used when neither target= nor the checkpoint names one
 DRAFTERS = ("head", "prompt_lookup", "draft_model")
 BASELINES = ("vanilla", "hf_generate")
 
@@ -162,10 +162,10 @@ def build(cfg, device):
     override = OmegaConf.to_container(cfg.target) if cfg.target is not None else None
     if cfg.drafter == "head":
         recorded = read_head_config(cfg.checkpoint)
-        target = load_target(override or recorded.get("target") or DEFAULT_TARGET, device=device)
+        target = load_target(override or recorded.get("target") or target_preset(DEFAULT_TARGET), device=device)
         head = load_head(cfg.checkpoint, target, device=device)
         return target, build_drafter("head", target, head=head, **cfg.draft), recorded["head_kind"]
-    target = load_target(override or DEFAULT_TARGET, device=device)
+    target = load_target(override or target_preset(DEFAULT_TARGET), device=device)
     if cfg.drafter == "draft_model":
         draft = load_target({"path": cfg.draft_model, "name": Path(cfg.draft_model).name, "dtype": "auto"},
                             device=device)

@@ -9,10 +9,10 @@ from transformers import GenerationConfig
 
 from heads.target import load_target
 from infer import weight_layout
-from infer.calibrate import curve_path, layout_path
+from infer.calibrate import curve_path
 from infer.engine import EngineError, SpeculativeEngine
 from infer.hf_generate import hf_generate
-from infer.weight_layout import apply_layout, current_layout, stock_layout, wide_linears
+from infer.weight_layout import apply_layout, current_layout, layout_path, stock_layout, wide_linears
 
 
 @pytest.fixture()
