@@ -284,7 +284,7 @@ def read_index(directory) -> dict:
     path = Path(directory) / INDEX
     if not path.is_file():
         raise HiddenCacheError(f"no hidden-state cache in {directory} (missing {INDEX}): build it with "
-                               f"scripts/cache_hidden_states.py --out {directory} <training overrides>")
+                               f"scripts/cache_hidden_states.py <training overrides> data.hidden_cache={directory}")
     try:
         index = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
