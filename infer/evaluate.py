@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from heads.base import HeadError, load_head, read_head_config
 from heads.files import atomic_path, write_json_atomic
 from heads.target import TargetError, TargetSpec, load_target, target_preset
-from infer.engine import CacheFullError, EngineError, SpeculativeEngine, encode_prompts
+from infer.engine import CacheFullError, EngineError, Engine, encode_prompts
 from infer.hf_generate import generation_config, hf_generate
 from infer.prompt_sets import PromptSetError, load_prompt_set
 from infer.weight_layout import check_layout, current_layout
@@ -210,8 +210,8 @@ class Tally:
 
 def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]], out=print):
     """Run every method on every prompt; -> (overall Tally, {category: Tally}, greedy matches)."""
-    spec = SpeculativeEngine(target, drafter, budget=cfg.budget, weight_layout=cfg.weight_layout)
-    plain = SpeculativeEngine(target, weight_layout=cfg.weight_layout)
+    spec = Engine(target, drafter, budget=cfg.budget, weight_layout=cfg.weight_layout)
+    plain = Engine(target, weight_layout=cfg.weight_layout)
     sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                     top_p=cfg.top_p)
     hf_cfg = generation_config(spec.eos.tolist(), target.tokenizer.pad_token_id, cfg.max_new_tokens,

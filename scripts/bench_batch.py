@@ -18,7 +18,7 @@ import bench_common as bc
 import torch
 
 from infer.calibrate import TreeBudget
-from infer.engine import SpeculativeEngine
+from infer.engine import Engine
 from infer.weight_layout import apply_layout
 
 
@@ -71,9 +71,9 @@ def main(argv=None) -> None:
     apply_layout(target.model, "auto", target)  # the engines' weight layout: T(N) is measured under it
     throttled = TreeBudget.for_target(target, max_nodes=args.max_nodes, measure=True)  # measured T(N), cached
     full = FullTree(max_nodes=args.max_nodes)
-    engines = {"plain": SpeculativeEngine(target),
-               "throttled": SpeculativeEngine(target, drafter, budget=throttled),
-               "unthrottled": SpeculativeEngine(target, drafter, budget=full)}
+    engines = {"plain": Engine(target),
+               "throttled": Engine(target, drafter, budget=throttled),
+               "unthrottled": Engine(target, drafter, budget=full)}
     print(f"machine: {bc.machine()}; target {target.spec.name} on {args.device}, drafter {drafter_name}, "
           f"full tree {args.max_nodes} nodes, {args.max_new_tokens} new tokens, temperature {args.temperature:g}")
     rows = []

@@ -31,7 +31,7 @@ import bench_common as bc
 import torch
 
 from infer.calibrate import calibrate_latency
-from infer.engine import SpeculativeEngine
+from infer.engine import Engine
 from infer.hf_generate import generation_config, hf_generate
 from infer.weight_layout import LAYOUTS, apply_layout
 
@@ -70,7 +70,7 @@ def build_methods(args, target) -> dict:
     from heads.target import TargetError
     from infer.drafters import build_drafter
 
-    eos = SpeculativeEngine(target, weight_layout=args.weight_layout).eos.tolist()  # layout resolved in main
+    eos = Engine(target, weight_layout=args.weight_layout).eos.tolist()  # layout resolved in main
     pad = target.tokenizer.pad_token_id
 
     def hf(lookup):
@@ -81,7 +81,7 @@ def build_methods(args, target) -> dict:
         return run
 
     def engine(drafter, layout=args.weight_layout):
-        eng = SpeculativeEngine(target, drafter, weight_layout=layout)
+        eng = Engine(target, drafter, weight_layout=layout)
 
         def run(ids, temperature, seed):
             out = eng.generate([ids], max_new_tokens=args.max_new_tokens, temperature=temperature, seed=seed)

@@ -467,3 +467,19 @@ def test_bad_input_gives_one_clear_line(finals, tmp_path, capsys):
         assert len(lines) == 1 and lines[0].startswith("export error:") and message in lines[0], (args, lines)
     assert not (tmp_path / "fresh").exists() and [p.name for p in (tmp_path / "used").iterdir()] == ["x"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "half", "used"]
+
+
+def test_every_layout_module_registers_itself_on_import():
+    """A new head's export is one file in heads/formats/: importing the package imports every module."""
+    import dataclasses
+    import pkgutil
+
+    import heads.formats
+
+    modules = {m.name for m in pkgutil.iter_modules(heads.formats.__path__)}
+    assert all(f"heads.formats.{name}" in sys.modules for name in modules)
+    assert {layout.head_kind for layout in LAYOUTS.values()} == {"medusa", "eagle", "eagle3", "mtp"}
+    clash = dataclasses.replace(LAYOUTS["eagle"], head_kind="medusa")
+    with pytest.raises(ExportError, match="'eagle' is already registered"):
+        heads.formats.register_layout(clash)
+    assert LAYOUTS["eagle"].head_kind == "eagle"
