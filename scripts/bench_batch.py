@@ -31,7 +31,7 @@ class FullTree(TreeBudget):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--target", default="smollm2-135m", help="a conf/target preset, or an HF model dir or hub name")
     p.add_argument("--head", default=None, help="a head folder; default: the prompt-lookup drafter")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--max-nodes", type=int, default=32, help="full tree size (nodes per row, root included)")

@@ -41,7 +41,7 @@ FIXED = ("hf_generate", "hf_prompt_lookup", "headway_plain", "headway_plain_stoc
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--target", default="smollm2-135m", help="a conf/target preset, or an HF model dir or hub name")
     p.add_argument("--heads", nargs="*", default=[], help="head folders (a run's final/); missing ones are skipped")
     p.add_argument("--prompt-sets", nargs="+", default=["chat", "humaneval"])
     p.add_argument("--per-set", type=int, default=4, help="prompts per set (default: a subset, for time)")
