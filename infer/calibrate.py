@@ -16,7 +16,10 @@ Without a curve the seed's static throttle applies (full trees for B <= 8, a qua
 beyond).
 
     python -m infer.calibrate target=smollm2-135m      # measure, cache on disk, print the curve
-    python -m infer.calibrate target=smollm2-135m weight_layout=stock
+    python -m infer.calibrate target=smollm2-135m weight_layout=stock context=512
+    python -m infer.calibrate target=smollm2-135m target.path=/models/SmolLM2-135M-Instruct
+Keys (conf/calibrate.yaml, schema CalibrateConfig): target (a conf/target preset; its fields can be
+overridden as target.path=..., target.dtype=...), weight_layout, context.
 The curve is cached in $HEADWAY_CACHE/calibration/<target>-<device>-<dtype>-<layout>.json (device: cuda, or
 cpu<threads>; layout: the engine's weight_layout, see infer.weight_layout).
 """
@@ -24,15 +27,18 @@ cpu<threads>; layout: the engine's weight_layout, see infer.weight_layout).
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
 
-from infer.weight_layout import apply_layout, current_layout
+from heads.files import write_json_atomic
+from heads.target import TargetSpec
+from infer.measurements import measurement_path
+from infer.weight_layout import apply_layout, check_layout, current_layout, layout_path
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -87,29 +93,7 @@ class TreeBudget:
 
 def curve_path(target) -> Path:
     layout = current_layout(getattr(target, "model", target))  # the weight layout changes T(N) too
-    return _calibration_dir(target) / f"{_stem(target)}-{layout}.json"
-
-
-def layout_path(target) -> Path:
-    """Where the weight layout "auto" chose for this target and machine is cached (infer.weight_layout)."""
-    return _calibration_dir(target) / f"{_stem(target)}-layout.json"
-
-
-def _calibration_dir(target) -> Path:
-    from heads.target import cache_root
-
-    return cache_root() / "calibration"
-
-
-def _stem(target) -> str:
-    """<target>-<device>-<dtype>; device: cuda, or cpu<threads> (the thread count changes the timings)."""
-    model = getattr(target, "model", target)
-    device = next(model.parameters()).device
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    name = getattr(getattr(target, "spec", None), "name", None) or \
-        f"{model.config.model_type}-{sum(p.numel() for p in model.parameters())}"  # a bare model: type + size
-    where = f"cpu{torch.get_num_threads()}" if device.type == "cpu" else device.type
-    return f"{name}-{where}-{dtype}"
+    return measurement_path(target, layout)
 
 
 def load_curve(target) -> dict[int, float] | None:
@@ -166,39 +150,51 @@ def _forward(model, cache, tokens, anc, dtype, device):
 
 
 def _save_curve(target, curve: dict[int, float], context: int) -> None:
-    path = curve_path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"context": context, "latency_s": {str(k): v for k, v in curve.items()}}, indent=1))
-    os.replace(tmp, path)
+    write_json_atomic(curve_path(target), {"context": context, "latency_s": {str(k): v for k, v in curve.items()}})
+
+
+class CalibrateError(ValueError):
+    """Bad calibration input; the message says what to do."""
+
+
+@dataclass
+class CalibrateConfig:
+    target: TargetSpec = MISSING  # composed from conf/target/<name>.yaml by `target=<name>`
+    weight_layout: str = "auto"  # the engine's weight layout to measure under (infer.weight_layout)
+    context: int = 256  # cached tokens before the measured forward
+
+
+ConfigStore.instance().store(name="calibrate_schema", node=CalibrateConfig)
+
+
+def calibrate(cfg, out=print) -> dict[int, float]:
+    """Measure and cache this target's T(N) under the engine's weight layout; print it and the budget."""
+    from heads.target import load_target
+
+    if cfg.context < 1:
+        raise CalibrateError(f"context must be >= 1, got {cfg.context}")
+    try:
+        check_layout(cfg.weight_layout)
+    except ValueError as exc:
+        raise CalibrateError(str(exc)) from None
+    target = load_target(OmegaConf.to_object(cfg.target))
+    layout = apply_layout(target.model, cfg.weight_layout, target)  # measure T(N) under the layout the engine runs
+    out(f"weight layout: {layout}" + _layout_times(target))
+    curve = calibrate_latency(target, context=cfg.context)
+    budget = TreeBudget(curve=curve)
+    for n, t in curve.items():
+        out(f"N={n:4d}  T={t * 1e3:8.2f} ms  T(N)/T(1)={t / curve[min(curve)]:.2f}")
+    out(f"tree budget (slack {budget.slack}): " +
+        ", ".join(f"B={b}: {budget.max_tokens(b)}" for b in (1, 2, 4, 8, 16, 32, 64)))
+    out(f"cached in {curve_path(target)}")
+    return curve
 
 
 def main(argv: list[str] | None = None) -> int:
-    from heads.target import TargetError, load_target
+    from heads.cli import run_command
+    from heads.target import TargetError
 
-    args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv) if "=" in a)
-    name = args.get("target", "smollm2-135m")
-    spec = {"smollm2-135m": {"path": "embedded:smollm2", "name": "smollm2-135m"},
-            "tiny-random": {"path": "tiny-random", "name": "tiny-random"}}.get(name, {"path": name, "name": name})
-    try:
-        target = load_target(spec)
-    except TargetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:  # measure T(N) under the layout the engine runs
-        layout = apply_layout(target.model, args.get("weight_layout", "auto"), target)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"weight layout: {layout}" + _layout_times(target))
-    curve = calibrate_latency(target, context=int(args.get("context", 256)))
-    budget = TreeBudget(curve=curve)
-    for n, t in curve.items():
-        print(f"N={n:4d}  T={t * 1e3:8.2f} ms  T(N)/T(1)={t / curve[min(curve)]:.2f}")
-    print(f"tree budget (slack {budget.slack}): " +
-          ", ".join(f"B={b}: {budget.max_tokens(b)}" for b in (1, 2, 4, 8, 16, 32, 64)))
-    print(f"cached in {curve_path(target)}")
-    return 0
+    return run_command("calibrate", calibrate, argv, errors=(TargetError, CalibrateError), usage=__doc__)
 
 
 def _layout_times(target) -> str:

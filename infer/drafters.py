@@ -33,7 +33,9 @@ Deterministic children (top-k) always carry distinct sibling tokens and propose 
 from __future__ import annotations
 
 import heapq
+from abc import abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -90,6 +92,27 @@ class Drafter:
 
 
 # ============================================================================ proposers (who scores)
+
+class Proposer(Protocol):
+    """Who scores draft continuations for a TreeDrafter: a head (HeadProposer) or a draft model
+    (DraftModelProposer). begin/expand/end follow DraftHead.draft_begin/draft_expand/draft_end."""
+
+    max_depth: int | None  # deepest draft it can make (None: unbounded)
+    acceptance: list[float]  # measured per-depth acceptance, if any (AutoTree's input)
+
+    def level_params(self) -> int: ...
+
+    def feature_layers(self) -> list[int]: ...
+
+    def reset(self, prompt: Tensor, lengths: Tensor, max_len: int) -> None: ...
+
+    def begin(self, tokens: Tensor, feats, positions: Tensor, num_valid: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def expand(self, depth: int, tokens: Tensor, parent_hidden: Tensor, parents: Tensor,
+               positions: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def end(self) -> None: ...
+
 
 class HeadProposer:
     """A trained (or fresh) DraftHead through its draft_state/draft_begin/draft_expand/draft_end hooks."""
@@ -214,7 +237,25 @@ class DraftModelProposer:
 
 # ============================================================================== tree policies (what)
 
-class Chain:
+class TreePolicy(Protocol):
+    """What shape a TreeDrafter's drafts take. Policies subclass it: `plan` defaults to nothing to plan."""
+
+    def plan(self, proposer: Proposer, budget, batch_size: int, target_params: int) -> None:
+        """Choose the tree for a batch of `batch_size` rows on this machine (budget: TreeBudget); a fixed
+        tree has nothing to choose."""
+
+    @abstractmethod
+    def size(self, max_depth: int | None) -> int:
+        """Tree nodes (root included) it proposes for a proposer drafting at most `max_depth` deep."""
+
+    @abstractmethod
+    def build(self, proposer: Proposer, root: Tensor, logits: Tensor, hidden: Tensor, max_nodes: int,
+              last_pos: Tensor, sampling: Sampling) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Draft one tree from the root's logits [B, V] and hidden [B, ...] -> (tokens [B, N], parents [N]
+        or [B, N], draft_probs [B, N, V] if children were sampled, else None), N <= max_nodes."""
+
+
+class Chain(TreePolicy):
     """gamma tokens, each the proposer's top-1 (or, with sample=True at temperature > 0, a sample from the
     warped draft distribution, verified with the SpecInfer rule)."""
 
@@ -252,7 +293,7 @@ class Chain:
         return torch.stack(tokens, 1), chain_parents(len(tokens)), draft_probs
 
 
-class StaticTree:
+class StaticTree(TreePolicy):
     """A Medusa-style static tree: `choices` lists paths of top-k ranks from the root, e.g.
     [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]: node (0, 1) is the second-best child of the best
     depth-1 token. The list must be prefix-closed; it is truncated in order to the budget."""
@@ -326,7 +367,7 @@ class StaticTree:
         return tokens, parents_of, None
 
 
-class DynamicTree:
+class DynamicTree(TreePolicy):
     """EAGLE-2: each depth expands the top_k nodes of the newest level by cumulative draft log-prob; every
     child seen is a candidate; the best `total_tokens - 1` candidates (plus the root) form the tree."""
 
@@ -369,7 +410,7 @@ class DynamicTree:
                        min(self.total_tokens, max_nodes))
 
 
-class AutoTree:
+class AutoTree(TreePolicy):
     """The static tree with the most expected tokens per unit time for this proposer on this machine
     (infer.roofline.best_tree, then StaticTree.from_accuracies), planned per batch size from:
       acceptance   per-depth top-1 acceptance: given, else the head's last validation, else PRIOR;
@@ -390,7 +431,7 @@ class AutoTree:
         self.min_gain = min_gain  # draft only for a predicted speedup this large: the model is approximate
         self.tree, self.planned = StaticTree([(0,)]), None
 
-    def plan(self, proposer, budget, batch_size: int, target_params: int) -> None:
+    def plan(self, proposer: Proposer, budget, batch_size: int, target_params: int) -> None:
         depth = min(self.max_depth, proposer.max_depth or self.max_depth)
         rates = (self.acceptance or proposer.acceptance or list(self.PRIOR))[:depth]
         cost = self.draft_cost if self.draft_cost is not None else proposer.level_params() / target_params
@@ -439,7 +480,7 @@ def _gather_nodes(x: Tensor, idx: Tensor) -> Tensor:  # x [B, n, ...], idx [B, m
 class TreeDrafter(Drafter):
     """A proposer (head or draft model) drafting chains/trees through a policy."""
 
-    def __init__(self, proposer, policy):
+    def __init__(self, proposer: Proposer, policy: TreePolicy):
         self.proposer, self.policy = proposer, policy
         self.sampling = Sampling()
 
@@ -447,8 +488,7 @@ class TreeDrafter(Drafter):
         return self.proposer.feature_layers()
 
     def plan(self, budget, batch_size: int, target_params: int) -> int:
-        if hasattr(self.policy, "plan"):
-            self.policy.plan(self.proposer, budget, batch_size, target_params)
+        self.policy.plan(self.proposer, budget, batch_size, target_params)
         return self.max_nodes(budget.max_tokens(batch_size))
 
     def max_nodes(self, budget: int) -> int:

@@ -2,19 +2,19 @@
 
 API (what infer.evaluate and scripts build on)
 ----------------------------------------------
-    from heads.target import load_target
-    from infer.engine import SpeculativeEngine, encode_prompts
+    from heads.target import load_target, target_preset
+    from infer.engine import Engine, encode_prompts
     from infer.drafters import build_drafter        # prompt_lookup, draft_model, or a head (+ tree policy)
 
-    target = load_target({"path": "embedded:smollm2", "name": "smollm2-135m"})
+    target = load_target(target_preset("smollm2-135m"))                   # conf/target/smollm2-135m.yaml
     prompts = encode_prompts(target.tokenizer, ["Write a haiku about caches."])   # chat template
-    engine = SpeculativeEngine(target)                                   # plain decoding
+    engine = Engine(target)                                               # plain decoding
     out = engine.generate(prompts, max_new_tokens=128, temperature=0.0)
     out.tokens          # list[list[int]]: new tokens per prompt (up to and including EOS)
     out.stats.tau, out.stats.acceptance_by_depth, out.stats.tokens_per_second, out.stats.to_dict()
 
-    drafter = build_drafter("prompt_lookup", target)                     # or a head from load_head(...)
-    out = SpeculativeEngine(target, drafter).generate(prompts, max_new_tokens=128, temperature=0.0)
+    drafter = build_drafter("prompt_lookup", target)                      # or a head from load_head(...)
+    out = Engine(target, drafter).generate(prompts, max_new_tokens=128, temperature=0.0)
 
 `generate(prompts, max_new_tokens, temperature=0, top_k=None, top_p=None, seed=None, stop_on_eos=True)`
 takes a batch of token-id lists of different lengths (rows are left-aligned with per-row lengths and
@@ -22,7 +22,7 @@ masks). Temperature 0 is greedy: the speculative output then equals plain decodi
 Errors: EngineError (bad arguments, empty prompt), CacheFullError (prompt + max_new_tokens beyond the
 target's max_position_embeddings, or a KV pool capped by `max_cache_tokens` running out).
 
-Constructor: SpeculativeEngine(target, drafter=None, *, block_size=16, budget="auto", eos_token_id=None,
+Constructor: Engine(target, drafter=None, *, block_size=16, budget="auto", eos_token_id=None,
 max_cache_tokens=None, weight_layout="auto"); `target` is a heads.target.Target (or a bare HF causal LM).
 Drafters keep state per generate() call, so one drafter object can serve many calls but not two engines
 at once. On a CPU the engine may store the target's wide Linear weights column-major (infer.weight_layout:
@@ -136,7 +136,7 @@ def encode_prompts(tokenizer, texts: list[str], chat: bool = True) -> list[list[
     return out
 
 
-class SpeculativeEngine:
+class Engine:
     """Generate with a frozen target, optionally drafting with `drafter` (see infer.drafters)."""
 
     def __init__(self, target, drafter=None, *, block_size: int = 16, budget: TreeBudget | str = "auto",
@@ -227,7 +227,7 @@ class SpeculativeEngine:
 class _Run:
     """The state of one generate() call."""
 
-    def __init__(self, engine: SpeculativeEngine, prompts, max_new_tokens, temperature, top_k, top_p, seed,
+    def __init__(self, engine: Engine, prompts, max_new_tokens, temperature, top_k, top_p, seed,
                  stop_on_eos, drafter):
         self.e, self.drafter = engine, drafter
         self.max_new = max_new_tokens

@@ -1,6 +1,6 @@
 """Evaluate a draft head (or a training-free drafter) on held-out prompts.
 
-    python -m infer.evaluate checkpoint=RUN/final prompts=mt-bench temperature=0 max_new_tokens=128
+    python -m infer.evaluate checkpoint=RUN/final prompts=chat temperature=0 max_new_tokens=128
     python -m infer.evaluate checkpoint=none drafter=prompt_lookup prompts=humaneval
 
 For each prompt (batch 1, rendered with the target's chat template) it runs, interleaved so machine noise
@@ -26,10 +26,7 @@ one `error:` line and exit status 2, before anything is written.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -40,12 +37,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from heads.base import HeadError, load_head, read_head_config
-from heads.target import TargetError, TargetSpec, load_target
-from infer.engine import CacheFullError, EngineError, SpeculativeEngine, encode_prompts
+from heads.files import atomic_path, write_json_atomic
+from heads.target import TargetError, TargetSpec, load_target, target_preset
+from infer.engine import CacheFullError, EngineError, Engine, encode_prompts
 from infer.hf_generate import generation_config, hf_generate
+from infer.prompt_sets import PromptSetError, load_prompt_set
 from infer.weight_layout import check_layout, current_layout
 
-DEFAULT_TARGET = {"name": "smollm2-135m", "path": "embedded:smollm2"}
+DEFAULT_TARGET = "smollm2-135m"  # the conf/target preset used when neither target= nor the checkpoint names one
 DRAFTERS = ("head", "prompt_lookup", "draft_model")
 BASELINES = ("vanilla", "hf_generate")
 
@@ -61,7 +60,7 @@ class EvalConfig:
     draft_model: Optional[str] = None
     draft: Dict[str, Any] = field(default_factory=dict)
     target: Optional[TargetSpec] = None
-    prompts: str = "mt-bench"
+    prompts: str = "chat"
     max_prompts: Optional[int] = None
     temperature: float = 0.0
     top_k: Optional[int] = None
@@ -117,13 +116,10 @@ def check_config(cfg) -> None:
 
 def load_prompts(name_or_path: str, limit: int | None) -> list[dict]:
     """[{"prompt", "category"}] from a built-in set or a JSONL file whose lines hold a "prompt" and
-    optionally a "category" (default "general"), read by train.data.prompt_sets."""
-    from train.data import DataError
-    from train.data.prompt_sets import load_prompt_set
-
+    optionally a "category" (default "general"), read by infer.prompt_sets."""
     try:
         rows = [{"prompt": r["prompt"], "category": r["category"]} for r in load_prompt_set(name_or_path)]
-    except DataError as exc:
+    except PromptSetError as exc:
         raise EvalError(str(exc)) from None
     rows = round_robin_by_category(rows)[:limit]
     if not rows:
@@ -166,10 +162,10 @@ def build(cfg, device):
     override = OmegaConf.to_container(cfg.target) if cfg.target is not None else None
     if cfg.drafter == "head":
         recorded = read_head_config(cfg.checkpoint)
-        target = load_target(override or recorded.get("target") or DEFAULT_TARGET, device=device)
+        target = load_target(override or recorded.get("target") or target_preset(DEFAULT_TARGET), device=device)
         head = load_head(cfg.checkpoint, target, device=device)
         return target, build_drafter("head", target, head=head, **cfg.draft), recorded["head_kind"]
-    target = load_target(override or DEFAULT_TARGET, device=device)
+    target = load_target(override or target_preset(DEFAULT_TARGET), device=device)
     if cfg.drafter == "draft_model":
         draft = load_target({"path": cfg.draft_model, "name": Path(cfg.draft_model).name, "dtype": "auto"},
                             device=device)
@@ -214,8 +210,8 @@ class Tally:
 
 def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]], out=print):
     """Run every method on every prompt; -> (overall Tally, {category: Tally}, greedy matches)."""
-    spec = SpeculativeEngine(target, drafter, budget=cfg.budget, weight_layout=cfg.weight_layout)
-    plain = SpeculativeEngine(target, weight_layout=cfg.weight_layout)
+    spec = Engine(target, drafter, budget=cfg.budget, weight_layout=cfg.weight_layout)
+    plain = Engine(target, weight_layout=cfg.weight_layout)
     sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                     top_p=cfg.top_p)
     hf_cfg = generation_config(spec.eos.tolist(), target.tokenizer.pad_token_id, cfg.max_new_tokens,
@@ -301,23 +297,12 @@ def default_output(cfg) -> Path:
 
 def write_results(res: dict, directory: Path, plot: bool) -> list[Path]:
     """eval.json (and eval.png) written to temp files, then renamed: never half-written."""
-    directory.mkdir(parents=True, exist_ok=True)
-    written = [_atomic(directory / "eval.json", lambda f: f.write((json.dumps(res, indent=2) + "\n").encode()))]
+    written = [write_json_atomic(directory / "eval.json", res, indent=2)]
     if plot:
-        written.append(_atomic(directory / "eval.png", lambda f: plot_results(res, f)))
+        with atomic_path(directory / "eval.png") as tmp:
+            plot_results(res, tmp)
+        written.append(directory / "eval.png")
     return written
-
-
-def _atomic(path: Path, write) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def plot_results(res: dict, file) -> None:

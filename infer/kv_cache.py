@@ -163,7 +163,7 @@ class PagedKVCache(Cache):
         if total > self.num_free:
             raise CacheFullError(f"KV cache pool exhausted: this step needs {total} more blocks of "
                                  f"{self.block_size} tokens but only {self.num_free} of {self.num_blocks} "
-                                 f"are free: give the pool more blocks (SpeculativeEngine max_cache_tokens) or run fewer or "
+                                 f"are free: give the pool more blocks (Engine max_cache_tokens) or run fewer or "
                                  f"shorter rows")
         if num_cow:
             self._copy_on_write(cow.nonzero()[:, 0], last[cow])

@@ -9,7 +9,12 @@ prints the prediction next to the engine's measured calibration so one sees how 
 
     python -m infer.roofline device=h100-sxm target=smollm2-135m
     python -m infer.roofline device=local target=smollm2-135m acceptance=RUN/eval/eval.json draft_cost=0.05
-    python -m infer.roofline device=h200 target=path/to/config.json dtype=bf16 alpha=0.8 gamma=5
+    python -m infer.roofline device=h200 config=path/to/config.json dtype=bf16 alpha=0.8 gamma=5
+    python -m infer.roofline device=a100 target=llama-3.1-8b-instruct acceptance=[0.8,0.6,0.4]
+Keys (conf/roofline.yaml, schema RooflineConfig): device, target (a conf/target preset) or config (an HF
+config.json, a model folder, or a head's final/), dtype, context, alpha, gamma, draft_cost, acceptance,
+max_nodes, top_k, measure. A target's shape is read from its HF config (the embedded default's from its
+GGUF, fetched once).
 """
 
 from __future__ import annotations
@@ -21,8 +26,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+from heads.target import TargetError, TargetSpec, preset_names, target_config, target_preset
 
 
 class RooflineError(ValueError):
@@ -134,32 +144,41 @@ class TargetShape:
         return self.vocab * self.hidden + self.layers * layer + self.hidden + lm_head
 
 
-PRESETS = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, vocab_size=49152,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
-    "tiny-random": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, vocab_size=259,
-                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-}
-
-
 def get_target(name_or_path: str) -> TargetShape:
-    """A preset name, a config.json, or a folder holding one (an HF model dir or a head's final/)."""
-    if name_or_path in PRESETS:
-        return TargetShape.from_config(PRESETS[name_or_path], name_or_path)
+    return resolve_target(name_or_path)[0]
+
+
+def resolve_target(name_or_path: str) -> tuple[TargetShape, TargetSpec | None]:
+    """A preset of conf/target/, a config.json, or a folder holding one (an HF model dir, or a head's
+    final/: the target it records) -> its shape, and the spec to load it by when it can be measured."""
+    if name_or_path in preset_names():
+        spec = target_preset(name_or_path)
+        return _shape_of(spec), spec
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
+    folder = path if path.is_dir() else None
+    if folder is not None:
         path = path / "config.json"
     if not path.is_file():
-        raise RooflineError(f"target {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a "
-                            f"config.json: pass one of those")
+        raise RooflineError(f"{name_or_path!r} is neither a preset ({', '.join(preset_names())}) nor a "
+                            f"config.json or a folder holding one: pass one of those")
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise RooflineError(f"{path} is not valid JSON ({exc.msg})") from exc
     if "head_kind" in cfg:  # a head folder: use the target it records
-        spec = cfg.get("target") or {}
-        return get_target(spec.get("name") if spec.get("name") in PRESETS else spec.get("path", ""))
-    return TargetShape.from_config(cfg, path.parent.name or str(path))
+        if not cfg.get("target"):
+            raise RooflineError(f"{path} records no target: pass the target's preset or config.json")
+        spec = TargetSpec.from_dict(cfg["target"])
+        return _shape_of(spec), spec
+    spec = TargetSpec(name=folder.name, path=str(folder)) if folder is not None else None
+    return TargetShape.from_config(cfg, path.parent.name or str(path)), spec
+
+
+def _shape_of(spec: TargetSpec) -> TargetShape:
+    try:
+        return TargetShape.from_config(target_config(spec), spec.name)
+    except TargetError as exc:
+        raise RooflineError(str(exc)) from None
 
 
 # ----------------------------------------------------------------------------------------- the model
@@ -276,8 +295,10 @@ def best_tree(acceptance: list[float], step_latency, draft_cost: float, max_node
 
 
 def read_acceptance(value) -> list[float]:
-    """Per-depth acceptance from a list, a comma-separated string, or an eval.json (or the folder holding
-    one) written by `python -m infer.evaluate` (its acceptance_by_depth)."""
+    """Per-depth acceptance from a list, a number, a comma-separated string, or an eval.json (or the folder
+    holding one) written by `python -m infer.evaluate` (its acceptance_by_depth)."""
+    if isinstance(value, (int, float)):
+        value = [value]
     if isinstance(value, str):
         try:
             value = [float(v) for v in value.split(",") if v.strip()]
@@ -302,19 +323,14 @@ def _acceptance_from_file(path: Path) -> list[float]:
 
 # ------------------------------------------------------------------------------------------ measured
 
-def measured_latency(target_name: str, sizes: list[int], context: int) -> dict[int, float] | None:
+def measured_latency(spec: TargetSpec, sizes: list[int], context: int) -> dict[int, float]:
     """The engine's calibration of T(N) on this machine (seconds per target step of N tokens after
-    `context` cached ones), measured now; None if the engine's calibration is not available."""
-    try:
-        from infer.calibrate import calibrate_latency
-        from infer.weight_layout import apply_layout
-    except ImportError:
-        return None
+    `context` cached ones), measured now under the engine's weight layout."""
     from heads.target import load_target
+    from infer.calibrate import calibrate_latency
+    from infer.weight_layout import apply_layout
 
-    spec = {"tiny-random": {"path": "tiny-random", "name": "tiny-random"},
-            "smollm2-135m": {"path": "embedded:smollm2", "name": "smollm2-135m"}}
-    target = load_target(spec.get(target_name, {"path": target_name, "name": target_name}))
+    target = load_target(spec)
     apply_layout(target.model, "auto", target)  # the engine's weight layout (infer.weight_layout)
     # save=False: the engine's cached curve (its own context) stays what `python -m infer.calibrate` wrote
     return calibrate_latency(target, sizes, context=context, repeats=3, save=False)
@@ -322,31 +338,46 @@ def measured_latency(target_name: str, sizes: list[int], context: int) -> dict[i
 
 # ---------------------------------------------------------------------------------------------- CLI
 
-DEFAULTS = dict(device="h100-sxm", target="smollm2-135m", dtype=None, context=512, alpha=0.8, gamma=5,
-                draft_cost=0.05, acceptance=None, max_nodes=128, top_k=10, measure=None)
+@dataclass
+class RooflineConfig:
+    device: str = "h100-sxm"  # h100-sxm | h200 | a100 | local (this machine, measured on the spot)
+    target: TargetSpec = MISSING  # composed from conf/target/<name>.yaml by `target=<name>`
+    config: Optional[str] = None  # instead of the target: an HF config.json, or a folder holding one (a
+    #                               model dir, or a head's final/: the target it records)
+    dtype: Optional[str] = None  # weight bytes: fp32 | bf16 | fp16 | fp8 | int8 | int4 (null: the device's)
+    context: int = 512  # cached tokens each step attends to
+    alpha: float = 0.8  # chain example: per-token acceptance ...
+    gamma: int = 5  # ... draft length ...
+    draft_cost: float = 0.05  # ... and c = T_draft / T_target per drafted token (or tree level)
+    acceptance: Any = None  # per-depth acceptance [a1,a2,...] or an eval.json (or its folder): plans a tree
+    max_nodes: int = 128  # largest tree considered
+    top_k: int = 10  # children per node considered
+    measure: Optional[bool] = None  # also measure T(N) here with the engine (null: with device=local)
 
 
-def parse_args(argv: list[str]) -> dict:
-    args = dict(DEFAULTS)
-    for item in argv:
-        key, sep, value = item.partition("=")
-        if not sep or key not in args:
-            raise RooflineError(f"unknown argument {item!r}: use key=value with keys {', '.join(args)}")
-        args[key] = value
-    for key, cast in (("context", int), ("gamma", int), ("max_nodes", int), ("top_k", int),
-                      ("alpha", float), ("draft_cost", float)):
-        try:
-            args[key] = cast(args[key])
-        except ValueError:
-            raise RooflineError(f"{key}={args[key]!r} is not a number")
-    if not 0.0 <= args["alpha"] <= 1.0 or args["gamma"] < 0 or args["draft_cost"] < 0:
+ConfigStore.instance().store(name="roofline_schema", node=RooflineConfig)
+
+
+def check_config(cfg) -> None:
+    if not 0.0 <= cfg.alpha <= 1.0 or cfg.gamma < 0 or cfg.draft_cost < 0:
         raise RooflineError("need 0 <= alpha <= 1, gamma >= 0 and draft_cost >= 0")
-    return args
+    if cfg.context < 0 or cfg.max_nodes < 1 or cfg.top_k < 1:
+        raise RooflineError("need context >= 0, max_nodes >= 1 and top_k >= 1")
 
 
-def report(args: dict, out=print) -> None:
+def run(cfg, out=print) -> None:
+    check_config(cfg)
+    if cfg.config:
+        shape, spec = resolve_target(cfg.config)
+    else:
+        spec = OmegaConf.to_object(cfg.target)
+        shape = _shape_of(spec)
+    report(OmegaConf.to_container(cfg), shape, spec, out)
+
+
+def report(args: dict, shape: TargetShape, spec: TargetSpec | None = None, out=print) -> None:
+    """Print the model for `shape` on args["device"]; `spec` (a loadable target) allows measuring T(N)."""
     device = get_device(args["device"])
-    shape = get_target(args["target"])
     dtype = args["dtype"] or device.dtype
     if dtype not in BYTES_PER_PARAM:
         raise RooflineError(f"unknown dtype {dtype!r}: use one of {', '.join(BYTES_PER_PARAM)}")
@@ -362,8 +393,8 @@ def report(args: dict, out=print) -> None:
     out(f"N_ridge = {n_ridge} tokens per step (latency is flat below it, then grows ~linearly)")
 
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    measure = device.name == "local" if args["measure"] is None else str(args["measure"]).lower() in ("true", "1")
-    measured = measured_latency(args["target"], sizes, ctx) if measure else None
+    measure = device.name == "local" if args["measure"] is None else args["measure"]
+    measured = measured_latency(spec, sizes, ctx) if measure and spec is not None else None
     pred = latency(torch.tensor(sizes))
     out("")
     out(f"{'N':>5} {'intensity':>10} {'T(N) pred ms':>13} {'T(N)/T(1)':>10}"
@@ -376,7 +407,7 @@ def report(args: dict, out=print) -> None:
     if measured:
         out("(of roofline = predicted / measured time: how close this machine runs to its limit)")
     if measure and measured is None:
-        out("(no measured T(N): the engine's calibration, infer.calibrate, is not available)")
+        out("(no measured T(N): a bare config.json cannot be loaded; pass a preset or a model folder)")
 
     alpha, gamma, c = args["alpha"], args["gamma"], args["draft_cost"]
     out("")
@@ -419,12 +450,10 @@ def interpolate(curve: dict[int, float]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        report(parse_args(sys.argv[1:] if argv is None else argv))
-    except RooflineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    from heads.cli import run_command
+
+    return run_command("roofline", run, argv, errors=(RooflineError,), usage=__doc__,
+                       hint="a config.json or model folder goes in config=PATH; every key: --help")
 
 
 if __name__ == "__main__":

@@ -23,12 +23,15 @@ Layouts:  stock        as loaded (row-major)
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
+
+from heads.files import write_json_atomic
+from infer.measurements import measurement_path
 
 LAYOUTS = ("auto", "stock", "wide-column")
 CANDIDATES = ("stock", "wide-column")
@@ -58,6 +61,11 @@ def apply_layout(model: nn.Module, layout: str = "auto", target=None) -> str:
     return layout
 
 
+def layout_path(target) -> Path:
+    """Where the layout "auto" chose for this target on this machine is cached."""
+    return measurement_path(target, "layout")
+
+
 def check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"weight_layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
@@ -66,8 +74,6 @@ def check_layout(layout: str) -> None:
 def choose_layout(target) -> str:
     """What "auto" means: stock off the CPU; on a CPU the layout with the faster decode step, measured once
     per target, thread count and dtype, then read from the cache."""
-    from infer.calibrate import layout_path
-
     model = getattr(target, "model", target)
     if next(model.parameters()).device.type != "cpu" or not wide_linears(model):
         return "stock"
@@ -80,10 +86,7 @@ def choose_layout(target) -> str:
         pass  # missing or damaged: measure
     times = measure_layouts(model)
     layout = "wide-column" if times["stock"] >= MIN_GAIN * times["wide-column"] else "stock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"layout": layout, "decode_step_s": times}, indent=1))
-    os.replace(tmp, path)
+    write_json_atomic(path, {"layout": layout, "decode_step_s": times})
     return layout
 
 

@@ -18,7 +18,7 @@ import bench_common as bc
 import torch
 
 from infer.calibrate import TreeBudget
-from infer.engine import SpeculativeEngine
+from infer.engine import Engine
 from infer.weight_layout import apply_layout
 
 
@@ -31,7 +31,7 @@ class FullTree(TreeBudget):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--target", default="smollm2-135m", help="a conf/target preset, or an HF model dir or hub name")
     p.add_argument("--head", default=None, help="a head folder; default: the prompt-lookup drafter")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--max-nodes", type=int, default=32, help="full tree size (nodes per row, root included)")
@@ -66,14 +66,14 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.manual_seed(0)
     target = bc.load_bench_target(args.target, args.device, args.dtype)
-    prompts = [ids for _, ids in bc.bench_prompts(target.tokenizer, ["mt-bench", "humaneval"], None)]
+    prompts = [ids for _, ids in bc.bench_prompts(target.tokenizer, ["chat", "humaneval"], None)]
     drafter, drafter_name = make_drafter(args, target)
     apply_layout(target.model, "auto", target)  # the engines' weight layout: T(N) is measured under it
     throttled = TreeBudget.for_target(target, max_nodes=args.max_nodes, measure=True)  # measured T(N), cached
     full = FullTree(max_nodes=args.max_nodes)
-    engines = {"plain": SpeculativeEngine(target),
-               "throttled": SpeculativeEngine(target, drafter, budget=throttled),
-               "unthrottled": SpeculativeEngine(target, drafter, budget=full)}
+    engines = {"plain": Engine(target),
+               "throttled": Engine(target, drafter, budget=throttled),
+               "unthrottled": Engine(target, drafter, budget=full)}
     print(f"machine: {bc.machine()}; target {target.spec.name} on {args.device}, drafter {drafter_name}, "
           f"full tree {args.max_nodes} nodes, {args.max_new_tokens} new tokens, temperature {args.temperature:g}")
     rows = []

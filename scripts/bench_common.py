@@ -60,27 +60,20 @@ def headline(ratio: float, what: str) -> None:
     print(f"{what}: {ratio:.2f}x")
 
 
-SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                     num_key_value_heads=3, tie_word_embeddings=True)
-TARGETS = {"smollm2-135m": {"path": "embedded:smollm2", "name": "smollm2-135m"},
-           "tiny-random": {"path": "tiny-random", "name": "tiny-random"},
-           # SmolLM2-135M's shape with random weights and the byte-level tokenizer (vocab 259): for machines
-           # that cannot fetch the real weights (timings only: its outputs are noise)
-           "smollm2-random": {"path": "tiny-random", "name": "smollm2-random", "tiny": SMOLLM2_SHAPE}}
+def load_bench_target(name: str, device: str = "cpu", dtype: str | None = "auto"):
+    """A preset of conf/target/ (smollm2-135m, tiny-random, smollm2-random, ...) or an HF path/hub name,
+    frozen, on `device`."""
+    from heads.target import load_target, target_spec
 
-
-def load_bench_target(name: str, device: str = "cpu", dtype: str = "auto"):
-    """A preset name (smollm2-135m, tiny-random) or an HF path/hub name, frozen, on `device`."""
-    from heads.target import load_target
-
-    spec = dict(TARGETS.get(name, {"path": name, "name": Path(name).name}), dtype=dtype)
+    spec = target_spec(name)
+    spec.dtype = dtype or spec.dtype  # None: the preset's
     return load_target(spec, device=device)
 
 
 def bench_prompts(tokenizer, sets: list[str], per_set: int | None) -> list[tuple[str, list[int]]]:
     """(set name, chat-templated token ids) for the first `per_set` prompts of each held-out set."""
     from infer.engine import encode_prompts
-    from train.data.prompt_sets import load_prompt_set
+    from infer.prompt_sets import load_prompt_set
 
     out = []
     for name in sets:

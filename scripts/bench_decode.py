@@ -31,7 +31,7 @@ import bench_common as bc
 import torch
 
 from infer.calibrate import calibrate_latency
-from infer.engine import SpeculativeEngine
+from infer.engine import Engine
 from infer.hf_generate import generation_config, hf_generate
 from infer.weight_layout import LAYOUTS, apply_layout
 
@@ -41,9 +41,9 @@ FIXED = ("hf_generate", "hf_prompt_lookup", "headway_plain", "headway_plain_stoc
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--target", default="smollm2-135m", help="a conf/target preset, or an HF model dir or hub name")
     p.add_argument("--heads", nargs="*", default=[], help="head folders (a run's final/); missing ones are skipped")
-    p.add_argument("--prompt-sets", nargs="+", default=["mt-bench", "humaneval"])
+    p.add_argument("--prompt-sets", nargs="+", default=["chat", "humaneval"])
     p.add_argument("--per-set", type=int, default=4, help="prompts per set (default: a subset, for time)")
     p.add_argument("--all-prompts", action="store_true", help="every prompt of every set")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -70,7 +70,7 @@ def build_methods(args, target) -> dict:
     from heads.target import TargetError
     from infer.drafters import build_drafter
 
-    eos = SpeculativeEngine(target, weight_layout=args.weight_layout).eos.tolist()  # layout resolved in main
+    eos = Engine(target, weight_layout=args.weight_layout).eos.tolist()  # layout resolved in main
     pad = target.tokenizer.pad_token_id
 
     def hf(lookup):
@@ -81,7 +81,7 @@ def build_methods(args, target) -> dict:
         return run
 
     def engine(drafter, layout=args.weight_layout):
-        eng = SpeculativeEngine(target, drafter, weight_layout=layout)
+        eng = Engine(target, drafter, weight_layout=layout)
 
         def run(ids, temperature, seed):
             out = eng.generate([ids], max_new_tokens=args.max_new_tokens, temperature=temperature, seed=seed)

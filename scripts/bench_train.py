@@ -38,7 +38,7 @@ LINEAR_SLACK = 1.5  # per-token cost may grow this much from the shortest to the
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--target", default="smollm2-135m", help="a conf/target preset, or an HF model dir or hub name")
     p.add_argument("--heads", nargs="+", default=["medusa", "eagle", "eagle3", "mtp"])
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
     p.add_argument("--batch", type=int, default=1)

@@ -1,54 +1,57 @@
 """Build the offline hidden-state cache: run the frozen target once over the tokenised training data.
 
-    python scripts/cache_hidden_states.py --out cache/eagle3 head=eagle3 data=default
+    python scripts/cache_hidden_states.py head=eagle3 data=default data.hidden_cache=cache/eagle3
     accelerate launch train/main.py head=eagle3 data=default data.hidden_states=offline data.hidden_cache=cache/eagle3
 
-Everything after the options is a training override (same as train/main.py), so the cache holds exactly
-the examples (data, train.max_length, seed) and hidden-state layers (the head's) that training will read,
-and the target's logits as data.cache_logits says (none: recomputed from the last hidden state in the
-step | topk: data.logits_topk per token | full); pass the same data.* overrides to training.
+The config is the training job's (conf/cache_hidden_states.yaml composes conf/train.yaml), so with the same
+overrides the cache holds exactly the examples (data, train.max_length, train.seed) and hidden-state layers
+(the head's) that training will read, and the target's logits as data.cache_logits says (none: recomputed
+from the last hidden state in the step | topk: data.logits_topk per token | full); it is written to
+data.hidden_cache on `device`. The cache's own keys: cache.layers (hidden-state indices, default: the
+head's), cache.dtype (auto: the target's, so offline equals online), cache.batch_size, cache.shard_tokens
+(tokens per shard file), cache.validate (entries recomputed and compared at the end).
 Killed? Run the same command again: finished shards are kept. At the end a sample of entries is
 recomputed and compared, and bytes per token, write and read throughput are printed.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from hydra.core.config_store import ConfigStore  # noqa: E402
+
 from heads.base import HeadError  # noqa: E402
+from heads.cli import run_command  # noqa: E402
 from heads.target import TargetError  # noqa: E402
+from train.config import TrainConfig  # noqa: E402  (registers the training schema)
 from train.data.config import DataError  # noqa: E402
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="remaining arguments: training overrides, e.g. head=eagle3 data=default")
-    p.add_argument("--out", help="cache directory (default: data.hidden_cache from the overrides)")
-    p.add_argument("--layers", help="hidden-state indices to cache, comma-separated (default: the head's)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="storage dtype (auto: the target's, so offline equals online)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--shard-tokens", type=int, default=1 << 18, help="tokens per shard file")
-    p.add_argument("--validate", type=int, default=8, help="entries recomputed and compared at the end")
-    p.add_argument("--device", default="auto")
-    return p.parse_known_args(argv)
+@dataclass
+class CacheOptions:
+    layers: Optional[List[int]] = None  # hidden-state indices to cache (null: the head's)
+    dtype: str = "auto"  # storage dtype: auto (the target's, so offline equals online) | float32 | bfloat16 | float16
+    batch_size: int = 8  # sequences per target forward
+    shard_tokens: int = 1 << 18  # tokens per shard file
+    validate: int = 8  # entries recomputed and compared at the end
 
 
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
+@dataclass
+class CacheJobConfig(TrainConfig):
+    cache: CacheOptions = field(default_factory=CacheOptions)
 
-    import train.config  # noqa: F401  (registers the training schema)
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=overrides)
+ConfigStore.instance().store(name="cache_hidden_states_schema", node=CacheJobConfig)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def head_layers(cfg, target) -> list[int]:
@@ -76,8 +79,8 @@ def read_throughput(directory, target, layers, datasets, batch_size: int) -> flo
     return tokens / (time.perf_counter() - started)
 
 
-def main(argv=None) -> int:
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+def build(cfg) -> dict:
+    """Build (or complete) the cache `cfg` describes, validate a sample, measure reading it back."""
     import torch
     from omegaconf import OmegaConf
 
@@ -85,36 +88,36 @@ def main(argv=None) -> int:
     from train.data import build_datasets
     from train.data.hidden_cache import HiddenStateCache, build_cache
 
-    cfg = compose(overrides)
-    out = args.out or cfg.data.hidden_cache
+    opts, out = cfg.cache, cfg.data.hidden_cache
     if not out:
-        raise DataError("say where the cache goes: --out DIR (or data.hidden_cache=DIR)")
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else \
-        ("cpu" if args.device == "auto" else args.device)
+        raise DataError("say where the cache goes: data.hidden_cache=DIR")
+    if opts.dtype not in DTYPES:
+        raise DataError(f"cache.dtype must be one of {', '.join(DTYPES)}, got {opts.dtype!r}")
+    if min(opts.batch_size, opts.shard_tokens) < 1 or opts.validate < 0:
+        raise DataError("cache.batch_size and cache.shard_tokens must be >= 1, cache.validate >= 0")
+    device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else "cpu"
     target = load_target(OmegaConf.to_container(cfg.target, resolve=True), device=device)
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else head_layers(cfg, target)
+    layers = list(opts.layers) if opts.layers else head_layers(cfg, target)
     data_cfg = dict(OmegaConf.to_container(cfg.data, resolve=True), hidden_states="online")  # the cache is built from the online target
     datasets = build_datasets(data_cfg, target.tokenizer, cfg.train.max_length, cfg.train.seed)
-    dtype = None if args.dtype == "auto" else resolve_dtype(args.dtype)
+    dtype = None if opts.dtype == "auto" else resolve_dtype(opts.dtype)
     meta = {"data": {"name": cfg.data.name, "source": cfg.data.source}, "max_length": cfg.train.max_length,
             "seed": cfg.train.seed, "head": cfg.head.kind}
-    report = build_cache(out, target, list(datasets), layers, dtype, args.batch_size, args.shard_tokens, meta,
+    report = build_cache(out, target, list(datasets), layers, dtype, opts.batch_size, opts.shard_tokens, meta,
                          logits=cfg.data.cache_logits, topk=cfg.data.logits_topk)
     cache = HiddenStateCache(out, target, layers)
-    report["validated_entries"] = min(args.validate, len(cache))
-    report["max_relative_error"] = cache.validate(target, args.validate) if args.validate else None
-    report["read_tokens_per_s"] = round(read_throughput(out, target, layers, datasets, args.batch_size), 1)
+    report["validated_entries"] = min(opts.validate, len(cache))
+    report["max_relative_error"] = cache.validate(target, opts.validate) if opts.validate else None
+    report["read_tokens_per_s"] = round(read_throughput(out, target, layers, datasets, opts.batch_size), 1)
     report.update(out=str(out), layers=cache.layers, dtype=cache.index["dtype"])
     print(json.dumps(report, indent=1))
-    return 0
+    return report
+
+
+def main(argv=None) -> int:
+    return run_command("cache_hidden_states", build, argv, errors=(DataError, TargetError, HeadError),
+                       usage=__doc__)
 
 
 if __name__ == "__main__":
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        sys.exit(main())
-    except (DataError, TargetError, HeadError, HydraException, OmegaConfBaseException) as exc:
-        print(f"error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(main())

@@ -3,7 +3,7 @@
     python scripts/export.py checkpoint=RUN/final format=auto output=DIR [overwrite=true]
                              [push=true repo_id=ORG/NAME private=true] [eval=PATH/eval.json]
 
-The layouts and what loads them: heads/formats/__init__.py. Bad input (a missing or corrupted final/, a format
+The layouts and what loads them: heads/formats/ (one module per head kind). Bad input (a missing or corrupted final/, a format
 that does not fit the head, a non-empty output without overwrite=true, no Hub token) ends with one error line
 and exit code 2; the output folder is written to a temp folder and renamed, so it is never half-written.
 """
@@ -29,7 +29,7 @@ log = logging.getLogger("export")
 class ExportConfig:
     checkpoint: str = MISSING  # a head folder: a run's final/ (or checkpoints/best/)
     output: str = MISSING  # folder to write; refused when it exists and is not empty, unless overwrite
-    format: str = "auto"  # auto | eagle3 | eagle3-speculators | eagle | medusa | medusa-original | mtp
+    format: str = "auto"  # auto (the head's primary layout) | a layout registered in heads/formats/
     overwrite: bool = False
     eval: Any = None  # eval.json path(s) from infer.evaluate (default: eval*.json found next to checkpoint)
     base_model: Optional[str] = None  # Hub id of the target (default: from the checkpoint's target spec)

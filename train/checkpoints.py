@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from heads.base import save_head, unwrap
+from heads.files import swap_in
 from train.config import ConfigError
 
 CHECKPOINTS = "checkpoints"
@@ -67,8 +68,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: d
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(dict(state, step=step), indent=2) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        swap_in(tmp, final)  # every rank wrote into tmp: its name is fixed, not atomic_path's
         for old in step_dirs(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()

@@ -22,11 +22,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import hydra  # noqa: E402
-from hydra.errors import HydraException, MissingConfigException  # noqa: E402
+from hydra.errors import HydraException  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from heads.base import HeadError  # noqa: E402
+from heads.cli import config_error  # noqa: E402
 from heads.target import TargetError  # noqa: E402
 from train.config import ConfigError  # noqa: E402  (registers the config schema)
 from train.data import DataError  # noqa: E402
@@ -51,17 +52,6 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def compose_error(exc: Exception) -> str:
-    """Hydra's multi-line composition errors as one line."""
-    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and exc.options:
-        group, _, name = exc.missing_cfg_file.rpartition("/")
-        return f"unknown {group} {name!r}: choose one of {', '.join(sorted(exc.options))}"
-    lines = [str(exc).splitlines()[0].rstrip(".")]
-    if exc.__cause__ is not None and str(exc.__cause__).strip():
-        lines.append(str(exc.__cause__).strip().splitlines()[0])
-    return ": ".join(lines) + " (see the keys with: python train/main.py --cfg job)"
-
-
 def rank_overrides(argv: list[str]) -> list[str]:
     """Every rank of a distributed launch runs Hydra. Ranks > 0 must not write a run dir of their own
     (with `${now:}` theirs can differ from rank 0's): give them an empty scratch dir, no output or log
@@ -84,4 +74,4 @@ if __name__ == "__main__":
     except (HydraException, OmegaConfBaseException) as exc:
         if FULL_ERRORS:
             raise
-        fail(compose_error(exc))
+        fail(config_error(exc, hint="see the keys with: python train/main.py --cfg job"))

@@ -13,6 +13,8 @@ from pathlib import Path
 from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
+from heads.files import write_text_atomic
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -43,9 +45,7 @@ class MetricsLog:
             return
         rows = [line for line in self.path.read_text().splitlines() if line.strip()]
         kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(self.path)
+        write_text_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def close(self) -> None:
         self.accelerator.end_training()

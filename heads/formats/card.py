@@ -42,7 +42,7 @@ def find_eval(final_dir: Path, eval_path=None) -> list[dict]:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ExportError(f"{path} is not valid JSON ({exc.msg}): re-run infer.evaluate") from exc
-        label = path.parent.name if path.name == "eval.json" else path.stem  # e.g. mt-bench-t0
+        label = path.parent.name if path.name == "eval.json" else path.stem  # e.g. chat-t0
         results += [dict(r, _set=label) for r in (data if isinstance(data, list) else [data])
                     if isinstance(r, dict) and "tau" in r]
     return sorted(results, key=lambda r: (float(r.get("temperature") or 0.0), r["_set"]))

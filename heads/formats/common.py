@@ -1,17 +1,14 @@
-"""Pieces every layout shares: the export error, provenance, tensor renaming, Llama config fields, atomic writes."""
+"""Pieces every layout shares: the export error, provenance, tensor renaming, Llama config fields, atomic output."""
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import tempfile
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from torch import Tensor
+
+from heads.files import atomic_path
 
 PROVENANCE_FILE = "headway.json"
 EMBEDDED_HUB_IDS = {"embedded:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -70,14 +67,6 @@ class Provenance:
     @property
     def revision(self) -> str | None:
         return self.target.get("revision")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------ tensors
@@ -170,22 +159,10 @@ def check_output(output: Path, overwrite: bool) -> None:
 
 def write_atomically(output: Path, fill: Callable[[Path], None], overwrite: bool) -> Path:
     """Build the export in a temp folder next to `output`, then swap it in: a failure leaves `output` as it was."""
-    output = Path(output)
-    check_output(output, overwrite)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    try:
+    check_output(Path(output), overwrite)
+    with atomic_path(output, directory=True) as tmp:
         fill(tmp)
-        if output.exists():
-            old = output.with_name(f".{output.name}.old-{uuid.uuid4().hex[:8]}")
-            os.replace(output, old)
-            os.replace(tmp, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, output)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return output
+    return Path(output)
 
 
 def save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:

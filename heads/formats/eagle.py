@@ -2,6 +2,22 @@
 
 headway's EAGLE head already uses the engines' names (`fc.weight`, `layers.0.*`, no input layernorm, no final
 norm, no LM head: the target's is shared), so the tensors are the identity map.
+
+Files (h = hidden size, V = target vocab, Vd = draft vocab, K = heads or modules, L = residual layers per
+Medusa head, N = target layers):
+
+eagle (primary for eagle; EAGLE-1/2: vLLM `EagleLlamaForCausalLM`, SGLang `LlamaForCausalLMEagle`)
+    config.json  one-layer Llama config (hidden/intermediate size, heads, kv heads, head_dim, rms_norm_eps,
+                 rope, vocab_size V, tie_word_embeddings false), architectures
+                 [LlamaForCausalLMEagle, EagleLlamaForCausalLM]: SGLang resolves the first; vLLM prefixes
+                 "Eagle" to each name and resolves the first it knows.
+    model.safetensors  fc.weight [h, 2h] (input cat(embed(x_t+1), f_t), no bias), layers.0.self_attn.
+                 {q,k,v,o}_proj.weight, layers.0.post_attention_layernorm.weight, layers.0.mlp.{gate,up,down}
+                 _proj.weight; no input_layernorm, no final norm, no embed_tokens / lm_head (the target's are
+                 shared). f = the target's final-normed last hidden state; the draft feature is the layer's
+                 output (residual stream), read by the target's LM head.
+    SGLang builds fc *with* a bias and keeps its init when the file has none: `eagle_fc_bias=true` adds a
+    zero fc.bias (vLLM skips names it does not have).
 """
 
 from __future__ import annotations

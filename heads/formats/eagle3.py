@@ -15,6 +15,31 @@ Both engines capture in ascending layer order, once per id, neither can capture 
 (vLLM's top-level key wins in vLLM, SGLang only reads eagle_config), and refuses aux layers outside
 [1, N-1], repeated or out of ascending order. `norm_before_residual: false`: the fused feature, not its norm,
 is the residual (EAGLE-3's code; the speculators default is true, so it is always written).
+
+Files (h = hidden size, V = target vocab, Vd = draft vocab, K = heads or modules, L = residual layers per
+Medusa head, N = target layers):
+
+eagle3 (primary for eagle3; official EAGLE-3 layout, vLLM and SGLang `LlamaForCausalLMEagle3`)
+    config.json  one-layer Llama config (vocab_size = V, the target's), architectures
+                 [LlamaForCausalLMEagle3], draft_vocab_size Vd, target_hidden_size, tie_word_embeddings false,
+                 norm_before_residual false, eagle_aux_hidden_state_layer_ids (vLLM ids, top level),
+                 eagle_config {eagle_aux_hidden_state_layer_ids (SGLang ids), use_aux_hidden_state: true}
+    model.safetensors  fc.weight [h, 3h], midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}
+                 .weight [h], midlayer.self_attn.{q,k,v}_proj.weight [*, 2h], midlayer.self_attn.o_proj.weight,
+                 midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight [Vd, h], d2t int64 [Vd]
+                 (target id = draft id + d2t[draft id]), t2d bool [V]; no embed_tokens.
+    Aux-layer ids: the head fuses hidden_states[a] (input of decoder layer a). vLLM's id i captures the input
+    of layer i (id = a), SGLang's id j captures the output of layer j (id = a - 1; SpecForge's default
+    [1, N//2-1, N-4] is EAGLE-3's [2, N//2, N-3]). vLLM reads the top-level key first and SGLang only
+    eagle_config, so both keys are written, each in its engine's convention: both engines then feed fc
+    the same tensors. Exports need 3 distinct ascending aux layers in [1, N-1] (see formats/eagle3.py).
+eagle3-speculators (vLLM `Eagle3Speculator`: `vllm serve DIR` with no flags)
+    config.json  {architectures: [Eagle3Speculator], speculators_model_type: eagle3, transformer_layer_config
+                 (the one-layer Llama config), draft_vocab_size, target_hidden_size, norm_before_residual
+                 false (the speculators default is true), eagle_aux_hidden_state_layer_ids (vLLM ids),
+                 speculators_config {algorithm eagle3, proposal_methods [{proposal_type greedy,
+                 speculative_tokens K, ...}], default_proposal_method, verifier {name_or_path, architectures}}}
+    model.safetensors  as eagle3 with `midlayer.` renamed `layers.0.`.
 """
 
 from __future__ import annotations

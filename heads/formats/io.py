@@ -11,9 +11,9 @@ from pathlib import Path
 
 from heads.base import HEAD_REGISTRY, WEIGHTS_NAME, DraftHead, _import_builtin_heads, load_head, read_head_config
 from heads.formats import Layout, layout_for
+from heads.files import file_sha256
 from heads.formats.common import (PROVENANCE_FILE, ExportError, Provenance, check_output, check_tensors,
-                                  file_sha256, load_tensors, rename, require_zero, save_tensors, target_hub_id,
-                                  write_atomically)
+                                  load_tensors, rename, require_zero, save_tensors, target_hub_id, write_atomically)
 
 TRAINING_KEYS = ("training", "train", "recipe")  # where a run's final/config.json may record how it was trained
 

@@ -2,6 +2,23 @@
 
 headway's Medusa head already uses vLLM's parameter names (`blocks.{i}.layers.{j}.*`, `lm_heads.{i}.weight`),
 so `medusa` is the identity map; `medusa-original` nests each head as nn.Sequential(ResBlock x L, Linear).
+
+Files (h = hidden size, V = target vocab, Vd = draft vocab, K = heads or modules, L = residual layers per
+Medusa head, N = target layers):
+
+medusa (primary for medusa; vLLM `MedusaModel`)
+    config.json  {architectures: [MedusaModel], model_type: medusa, hidden_size, vocab_size, num_heads: K,
+                  num_hidden_layers: L, medusa_fc_bias: true, truncated_vocab_size: V}
+    model.safetensors  blocks.{i}.layers.{j}.weight [h, h], blocks.{i}.layers.{j}.bias [h],
+                       lm_heads.{i}.weight [V, h]
+    vLLM's MedusaConfig renames *any* top-level key holding "num"+"heads" or "num"+"layers", so the config
+    carries nothing else of that shape. Input: the target's final-normed last hidden state; head i drafts
+    token t+i+2 (same as headway and the original Medusa).
+medusa-original (Medusa repo / TGI)
+    config.json  {medusa_num_heads: K, medusa_num_layers: L, base_model_name_or_path}
+    medusa_lm_head.safetensors  {i}.{j}.linear.weight [h, h], {i}.{j}.linear.bias [h], {i}.{L}.weight [V, h]
+    (nn.Sequential(ResBlock x L, Linear) per head). The original code builds `[ResBlock] * L`, one shared
+    block, so for L > 1 only TGI (separate blocks) reproduces the head.
 """
 
 from __future__ import annotations

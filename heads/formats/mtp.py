@@ -11,6 +11,18 @@ config says `num_nextn_predict_layers`. So this layout is a standalone shard plu
                                 .self_attn.*, .mlp.* (the target's decoder-layer tensors)
     merge_into_config.json      {"num_nextn_predict_layers": D}
     merge_into_index.json       {"weight_map": {key: "model-mtp.safetensors"}} for model.safetensors.index.json
+
+Files (h = hidden size, V = target vocab, Vd = draft vocab, K = heads or modules, L = residual layers per
+Medusa head, N = target layers):
+
+mtp (primary for mtp; DeepSeek-V3 MTP: vLLM `DeepSeekMTP`, SGLang `DeepseekV3ForCausalLMNextN`)
+    model-mtp.safetensors  module k as layer N+k of the target: model.layers.{N+k}.{enorm,hnorm}.weight [h],
+                 .eh_proj.weight [h, 2h] (input [enorm(embed); hnorm(h)]), .shared_head.norm.weight [h],
+                 .shared_head.head.weight [V, h] (a copy of the target's LM head, shared),
+                 .input_layernorm/.post_attention_layernorm.weight, .self_attn.*, .mlp.* (the block)
+    merge_into_config.json  {num_nextn_predict_layers: D};  merge_into_index.json  {weight_map: shard keys}
+    h^0 = the target's final-normed last hidden state (what both engines pass). The engines load MTP layers
+    only for DeepSeek-V2/V3-architecture targets (SGLang: one module).
 """
 
 from __future__ import annotations

@@ -128,16 +128,19 @@ def test_cache_hidden_states_cli(tmp_path):
     import sys
 
     out = tmp_path / "cache"
-    cmd = [sys.executable, "scripts/cache_hidden_states.py", "--out", str(out), "--validate", "2",
-           "head=eagle", "experiment=smoke"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    script = [sys.executable, "scripts/cache_hidden_states.py", "head=eagle", "experiment=smoke"]
+    done = subprocess.run(script + [f"data.hidden_cache={out}", "cache.validate=2"], capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout[done.stdout.index("{"):])
     assert report["entries"] == 64 and report["layers"] == [4] and report["max_relative_error"] < 1e-4
     assert report["bytes_per_token"] >= 64 * 4 and report["read_tokens_per_s"] > 0
     assert read_index(out)["meta"]["head"] == "eagle"
-    bad = subprocess.run(cmd[:2] + ["head=eagle", "experiment=smoke"], capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: say where the cache goes")
+    for extra, named in ((["cache.valdate=2"], "valdate"),  # a misspelled key fails instead of being ignored
+                         ([], "say where the cache goes")):
+        bad = subprocess.run(script + extra, capture_output=True, text=True, timeout=600)
+        errors = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: ") and named in errors[0]
 
 
 # ------------------------------------------------------------------ stored target logits (cache_logits)
@@ -267,7 +270,7 @@ def rewrite_shard(directory, change):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from heads.formats.common import file_sha256
+    from heads.files import file_sha256
 
     path = directory / "shard-00000.safetensors"
     with safe_open(str(path), framework="pt") as reader:

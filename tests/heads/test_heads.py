@@ -81,3 +81,33 @@ def test_tree_siblings_do_not_see_each_other(kind, target, batch):
             child = torch.gather(ids, 1, m[:, None] + 2)  # x_{m+2}
             logits, _ = head.draft_expand(state, 2, child, hidden[:, 1:], torch.ones_like(child), m[:, None] + 1)
             torch.testing.assert_close(logits[:, 0], at_anchor(reference[2], m), rtol=1e-4, atol=1e-4)
+
+
+def test_a_head_missing_part_of_the_contract_cannot_be_built(target):
+    from heads.base import DraftHead
+    from heads.medusa import MedusaHead
+
+    class NoDrafting(DraftHead):  # trains, but cannot draft
+        num_depths = 1
+
+        def forward(self, input_ids, loss_mask, feats):
+            raise NotImplementedError
+
+        def anchor_logits(self, input_ids, feats):
+            return []
+
+    with pytest.raises(TypeError, match="draft_begin"):
+        NoDrafting(target.config)
+    MedusaHead(target.config)  # a complete head builds
+
+
+def test_a_kind_names_one_head_only():
+    from heads.base import HEAD_REGISTRY, register_head
+    from heads.medusa import MedusaHead
+
+    class Impostor(MedusaHead):
+        pass
+
+    with pytest.raises(HeadError, match="'medusa' is already registered"):
+        register_head("medusa")(Impostor)
+    assert HEAD_REGISTRY["medusa"] is MedusaHead and register_head("medusa")(MedusaHead) is MedusaHead

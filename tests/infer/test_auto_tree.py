@@ -7,7 +7,7 @@ from heads.base import build_head, load_head, save_head
 from heads.target import load_target
 from infer.calibrate import TreeBudget
 from infer.drafters import AutoTree, build_drafter
-from infer.engine import SpeculativeEngine
+from infer.engine import Engine
 
 
 class Proposer:  # what AutoTree reads from a proposer
@@ -64,8 +64,8 @@ def test_an_auto_tree_engine_plans_from_the_budget_and_stays_lossless():
     torch.manual_seed(0)
     drafter = build_drafter("head", target, head=build_head("mtp", target), acceptance=[0.9, 0.8, 0.7], top_k=2)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    plain = SpeculativeEngine(target).generate(prompts, max_new_tokens=12, stop_on_eos=False).tokens
-    engine = SpeculativeEngine(target, drafter, budget=TreeBudget(max_nodes=16))
+    plain = Engine(target).generate(prompts, max_new_tokens=12, stop_on_eos=False).tokens
+    engine = Engine(target, drafter, budget=TreeBudget(max_nodes=16))
     out = engine.generate(prompts, max_new_tokens=12, stop_on_eos=False)
     assert out.tokens == plain
     assert drafter.policy.planned.size >= 2  # mtp (2 depths) at rates 0.9/0.8: drafting pays

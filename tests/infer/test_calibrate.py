@@ -1,7 +1,10 @@
 """The tree budget follows the latency curve: flat T(N) -> big trees, compute-bound -> small ones."""
 
+import pytest
+import torch
+
 from heads.target import load_target
-from infer.calibrate import TreeBudget, calibrate_latency
+from infer.calibrate import TreeBudget, calibrate_latency, main
 
 
 def roofline(ridge: int):
@@ -33,3 +36,25 @@ def test_calibration_measures_every_size():
     target = load_target({"path": "tiny-random", "name": "tiny-random"})
     curve = calibrate_latency(target, sizes=(1, 4, 16), context=8, repeats=1, save=False)
     assert sorted(curve) == [1, 4, 16] and all(t > 0 for t in curve.values())
+
+
+def test_cli_measures_and_caches_the_curve_of_a_preset(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path))
+    assert main(["target=tiny-random", "context=8", "weight_layout=stock"]) == 0
+    out = capsys.readouterr().out
+    assert "weight layout: stock" in out and "N=   1" in out and "tree budget" in out
+    assert (tmp_path / "calibration" / f"tiny-random-cpu{torch.get_num_threads()}-float32-stock.json").is_file()
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["target=tiny-random", "contxt=8"], "contxt"),  # a misspelled key fails instead of being ignored
+    (["target=nope"], "nope"),
+    (["target=tiny-random", "weight_layout=rows"], "weight_layout"),
+    (["target=tiny-random", "context=0"], "context"),
+])
+def test_cli_bad_input_is_one_line_exit_2(argv, named, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and named in err[0], err
+    assert not (tmp_path / "calibration").exists()  # nothing measured, nothing written

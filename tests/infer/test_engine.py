@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from heads.target import load_target
-from infer.engine import CacheFullError, EngineError, SpeculativeEngine
+from infer.engine import CacheFullError, EngineError, Engine
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def hf_greedy(model, prompt, n):
 
 def test_plain_greedy_equals_hf_generate_for_a_ragged_batch(target):
     prompts = prompts_of([9, 3, 21, 1])
-    out = SpeculativeEngine(target, block_size=4).generate(prompts, max_new_tokens=12, stop_on_eos=False)
+    out = Engine(target, block_size=4).generate(prompts, max_new_tokens=12, stop_on_eos=False)
     for prompt, tokens in zip(prompts, out.tokens):
         assert tokens == hf_greedy(target.model, prompt, 12)
     stats = out.stats
@@ -35,16 +35,16 @@ def test_plain_greedy_equals_hf_generate_for_a_ragged_batch(target):
 
 def test_rows_stop_at_their_own_eos(target):
     prompts = prompts_of([5, 8])
-    free = SpeculativeEngine(target).generate(prompts, max_new_tokens=10, stop_on_eos=False).tokens
+    free = Engine(target).generate(prompts, max_new_tokens=10, stop_on_eos=False).tokens
     eos = free[0][3]  # pretend row 0's 4th token is the end of turn
-    out = SpeculativeEngine(target, eos_token_id=eos).generate(prompts, max_new_tokens=10)
+    out = Engine(target, eos_token_id=eos).generate(prompts, max_new_tokens=10)
     assert out.tokens[0] == free[0][:4]
     cut = free[1].index(eos) + 1 if eos in free[1] else 10
     assert out.tokens[1] == free[1][:cut]
 
 
 def test_sampling_is_reproducible_with_a_seed(target):
-    engine = SpeculativeEngine(target)
+    engine = Engine(target)
     prompts = prompts_of([6, 2])
     a = engine.generate(prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3, stop_on_eos=False)
     b = engine.generate(prompts, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3, stop_on_eos=False)
@@ -52,7 +52,7 @@ def test_sampling_is_reproducible_with_a_seed(target):
 
 
 def test_bad_requests_fail_clearly(target):
-    engine = SpeculativeEngine(target)
+    engine = Engine(target)
     with pytest.raises(EngineError, match="at least one token"):
         engine.generate([[1, 2], []])
     with pytest.raises(EngineError, match="temperature"):
@@ -60,7 +60,7 @@ def test_bad_requests_fail_clearly(target):
     with pytest.raises(EngineError, match="top_p"):
         engine.generate([[1, 2]], temperature=1, top_p=0)
     with pytest.raises(CacheFullError, match="pool exhausted"):
-        SpeculativeEngine(target, max_cache_tokens=64, block_size=8).generate([[1] * 30, [2] * 30], max_new_tokens=20)
+        Engine(target, max_cache_tokens=64, block_size=8).generate([[1] * 30, [2] * 30], max_new_tokens=20)
     limit = target.config.max_position_embeddings
     with pytest.raises(CacheFullError, match="max_position_embeddings"):
         engine.generate([[1] * limit], max_new_tokens=1)

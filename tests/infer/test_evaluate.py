@@ -101,7 +101,8 @@ def corrupt(head_dir, tmp_path, how):
 
 @pytest.mark.parametrize("case", ["other_target", "garbage_weights", "missing_weights", "empty_prompts",
                                   "malformed_prompts", "no_prompt_field", "negative_temperature", "top_p_zero",
-                                  "top_p_above_one", "prompt_too_long", "no_checkpoint", "bad_budget"])
+                                  "top_p_above_one", "prompt_too_long", "no_checkpoint", "bad_budget",
+                                  "renamed_prompt_set"])
 def test_bad_input_raises_one_clear_error_and_writes_nothing(case, head_dir, prompts_file, tmp_path):
     ckpt, prompts, extra = head_dir, prompts_file, []
     if case == "garbage_weights":
@@ -116,6 +117,8 @@ def test_bad_input_raises_one_clear_error_and_writes_nothing(case, head_dir, pro
         prompts.write_text('{"text": "hello"}\n')
     elif case == "prompt_too_long":
         prompts.write_text(json.dumps({"prompt": "x" * 2100}) + "\n")  # byte-level: > 2048 positions
+    elif case == "renamed_prompt_set":
+        prompts = "mt-bench"
     extra = {"negative_temperature": ["temperature=-0.5"], "top_p_zero": ["top_p=0"],
              "top_p_above_one": ["top_p=1.5"], "no_checkpoint": ["checkpoint=none"],
              "bad_budget": ["budget=fixed"]}.get(case, [])
@@ -127,6 +130,7 @@ def test_bad_input_raises_one_clear_error_and_writes_nothing(case, head_dir, pro
         ev.evaluate(cfg, out=quiet)
     message = str(info.value)
     assert message and "\n" not in message
+    assert case != "renamed_prompt_set" or "prompts=chat" in message
     assert not out.exists()
 
 
@@ -144,7 +148,7 @@ def test_cli_bad_input_exits_2_with_one_line(head_dir, prompts_file, tmp_path):
 def test_max_prompts_samples_every_category():
     from infer.evaluate import load_prompts
 
-    rows = load_prompts("mt-bench", 16)
+    rows = load_prompts("chat", 16)
     categories = [r["category"] for r in rows]
     assert len(set(categories)) >= 8  # the first 16 are not all "writing"
     assert all(categories.count(c) <= 2 for c in set(categories))

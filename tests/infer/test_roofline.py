@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from heads.target import target_config, target_preset
 from infer import roofline as rf
 
 H100 = rf.DEVICES["h100-sxm"]
@@ -19,7 +20,7 @@ def test_param_count_matches_smollm2():
 
 
 def test_param_count_from_hf_config_file(tmp_path):
-    cfg = dict(rf.PRESETS["smollm2-135m"], tie_word_embeddings=False)
+    cfg = dict(target_config(target_preset("smollm2-135m")), tie_word_embeddings=False)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     shape = rf.get_target(str(tmp_path))
     assert shape.num_params == 134_515_008 + 49152 * 576  # an untied LM head adds V x h
@@ -117,24 +118,42 @@ def test_read_acceptance_from_eval_json(tmp_path):
 
 
 def test_cli_prints_the_model(capsys):
-    assert rf.main(["device=h200", "target=smollm2-135m", "dtype=bf16", "acceptance=0.8,0.6,0.4"]) == 0
+    assert rf.main(["device=h200", "target=smollm2-135m", "dtype=bf16", "acceptance=[0.8,0.6,0.4]"]) == 0
     out = capsys.readouterr().out
     assert "N_ridge" in out and "T(N) pred ms" in out and "best size" in out
     assert "speedup 2.95x" in out  # the default alpha/gamma/c are the seed's example
 
 
-def test_cli_bad_input_is_one_line_exit_2(capsys):
-    assert rf.main(["device=tpu"]) == 2
-    assert rf.main(["target=/nonexistent/config.json", "device=a100"]) == 2
-    assert rf.main(["alpha=2", "device=a100"]) == 2
+@pytest.mark.parametrize("argv, named", [
+    (["device=tpu"], "tpu"),
+    (["config=/nonexistent/config.json", "device=a100"], "/nonexistent/config.json"),
+    (["target=/nonexistent/config.json", "device=a100"], "config=PATH"),  # a path is not a preset
+    (["alpha=2", "device=a100"], "alpha"),
+    (["aplha=0.5"], "aplha"),  # a misspelled key fails instead of being ignored
+    (["gamma=five"], "gamma"),
+    (["acceptance=0.8,0.6"], "key=[a,b]"),  # Hydra's list syntax, named in the error
+])
+def test_cli_bad_input_is_one_line_exit_2(argv, named, capsys):
+    assert rf.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+    assert len(err) == 1 and err[0].startswith("error: ") and named in err[0], err
 
 
 def test_cli_on_this_machine_prints_measured_next_to_predicted(capsys):
     assert rf.main(["device=local", "target=tiny-random"]) == 0
     out = capsys.readouterr().out
     assert "device local" in out and "T(N) meas ms" in out and "of roofline" in out
+
+
+def test_a_head_folder_stands_for_the_target_it_records(tmp_path, capsys):
+    from heads.base import build_head, save_head
+    from heads.target import load_target
+
+    target = load_target(target_preset("tiny-random"))
+    final = save_head(build_head("medusa", target, num_heads=2), tmp_path / "final")
+    assert rf.main(["device=a100", f"config={final}"]) == 0
+    out = capsys.readouterr().out
+    assert f"target tiny-random: {sum(p.numel() for p in target.model.parameters()) / 1e6:.1f}M params" in out
 
 
 def test_interpolated_measured_curve():

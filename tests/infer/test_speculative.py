@@ -8,7 +8,7 @@ from heads.base import build_head
 from heads.target import build_tiny_random, load_target
 from infer.calibrate import TreeBudget
 from infer.drafters import Drafter, DynamicTree, StaticTree, build_drafter
-from infer.engine import SpeculativeEngine
+from infer.engine import Engine
 
 NEW = 24
 
@@ -27,11 +27,11 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def plain(target, prompts):
-    return SpeculativeEngine(target).generate(prompts, max_new_tokens=NEW, stop_on_eos=False).tokens
+    return Engine(target).generate(prompts, max_new_tokens=NEW, stop_on_eos=False).tokens
 
 
 def speculate(target, prompts, drafter, **kw):
-    return SpeculativeEngine(target, drafter, block_size=4, budget=TreeBudget()).generate(prompts, max_new_tokens=NEW,
+    return Engine(target, drafter, block_size=4, budget=TreeBudget()).generate(prompts, max_new_tokens=NEW,
                                                                      stop_on_eos=False, **kw)
 
 
@@ -131,7 +131,7 @@ def test_sampling_keeps_the_targets_joint_distribution(target, policy, opts):
     drafter = build_drafter("draft_model", target, draft_model=other, policy=policy, **opts)
     prompt, rows, k = [7, 8, 9, 10], 3000, 4
     flat = TreeBudget(curve={1: 1.0, 10**6: 1.0})  # no batch throttle: draft for all 3000 rows
-    out = SpeculativeEngine(target, drafter, budget=flat).generate(
+    out = Engine(target, drafter, budget=flat).generate(
         [prompt] * rows, max_new_tokens=3, temperature=1.0, top_k=k, seed=0, stop_on_eos=False)
     assert 0.1 < out.stats.acceptance_by_depth[0] < 0.9  # drafts were accepted and rejected
     samples = torch.tensor(out.tokens)  # [rows, 3]
@@ -189,12 +189,12 @@ class Oracle(Drafter):
 
 def test_rows_accepting_different_amounts_and_a_finished_row_riding_along(target, prompts):
     prompts = prompts[:2]
-    long = SpeculativeEngine(target).generate(prompts, max_new_tokens=200, stop_on_eos=False).tokens
+    long = Engine(target).generate(prompts, max_new_tokens=200, stop_on_eos=False).tokens
     eos = next(t for i, t in enumerate(long[0]) if i >= 8 and t not in long[0][:i] + long[1][:60])
     # row 0 ends after a few (fast, oracle-drafted) steps; row 1 crawls on to 60 tokens
-    plain = SpeculativeEngine(target, eos_token_id=eos).generate(prompts, max_new_tokens=60).tokens
+    plain = Engine(target, eos_token_id=eos).generate(prompts, max_new_tokens=60).tokens
     drafter = Oracle([long[0], long[0]])
-    out = SpeculativeEngine(target, drafter, eos_token_id=eos, budget=TreeBudget()).generate(prompts, max_new_tokens=60)
+    out = Engine(target, drafter, eos_token_id=eos, budget=TreeBudget()).generate(prompts, max_new_tokens=60)
     assert out.tokens == plain  # and no CacheFullError from the finished row
     assert out.stats.accepted_at_depth[0] > 0  # row 0 accepted its drafts
 
@@ -212,7 +212,7 @@ def test_a_briefly_trained_head_is_accepted_and_still_lossless(target):
 
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (6,), generator=gen).tolist() for _ in range(16)]
-    cont = SpeculativeEngine(target).generate(prompts, max_new_tokens=32, stop_on_eos=False).tokens
+    cont = Engine(target).generate(prompts, max_new_tokens=32, stop_on_eos=False).tokens
     seqs = torch.tensor([p + c for p, c in zip(prompts, cont)])
     torch.manual_seed(0)
     head = build_head("medusa", target, num_heads=3)
@@ -225,7 +225,7 @@ def test_a_briefly_trained_head_is_accepted_and_still_lossless(target):
         loss.backward()
         opt.step()
     drafter = build_drafter("head", target, head=head.eval(), policy="dynamic", total_tokens=10, depth=3, top_k=3)
-    out = SpeculativeEngine(target, drafter, budget=TreeBudget()).generate(prompts[:4], max_new_tokens=32,
+    out = Engine(target, drafter, budget=TreeBudget()).generate(prompts[:4], max_new_tokens=32,
                                                                           stop_on_eos=False)
     assert out.tokens == cont[:4]
     assert out.stats.tau > 2.5

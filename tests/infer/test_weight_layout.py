@@ -9,10 +9,10 @@ from transformers import GenerationConfig
 
 from heads.target import load_target
 from infer import weight_layout
-from infer.calibrate import curve_path, layout_path
-from infer.engine import EngineError, SpeculativeEngine
+from infer.calibrate import curve_path
+from infer.engine import EngineError, Engine
 from infer.hf_generate import hf_generate
-from infer.weight_layout import apply_layout, current_layout, stock_layout, wide_linears
+from infer.weight_layout import apply_layout, current_layout, layout_path, stock_layout, wide_linears
 
 
 @pytest.fixture()
@@ -64,7 +64,7 @@ def test_auto_takes_the_faster_measured_layout_and_caches_the_choice(target, tmp
     def must_not_measure(model):
         raise AssertionError("the cached choice should have been used")
     monkeypatch.setattr(weight_layout, "measure_layouts", must_not_measure)
-    assert SpeculativeEngine(target).weight_layout == "wide-column"
+    assert Engine(target).weight_layout == "wide-column"
 
 
 def test_auto_keeps_the_stock_layout_without_a_clear_gain(target, tmp_path, monkeypatch):
@@ -97,7 +97,7 @@ def test_stock_layout_restores_the_previous_layout_even_on_error(target):
 
 def test_hf_baseline_runs_the_stock_layout(target):
     model = target.model
-    engine = SpeculativeEngine(target, weight_layout="wide-column")
+    engine = Engine(target, weight_layout="wide-column")
     assert engine.weight_layout == "wide-column" and current_layout(model) == "wide-column"
     seen = []
     hook = model.register_forward_pre_hook(lambda module, args: seen.append(current_layout(module)))
@@ -112,9 +112,9 @@ def test_hf_baseline_runs_the_stock_layout(target):
 
 def test_engine_restores_its_layout_and_outputs_do_not_depend_on_it(target):
     prompts = [[5, 9, 13, 40], [7, 3]]
-    stock = SpeculativeEngine(target, weight_layout="stock")
+    stock = Engine(target, weight_layout="stock")
     expected = stock.generate(prompts, max_new_tokens=10, stop_on_eos=False).tokens
-    wide = SpeculativeEngine(target, weight_layout="wide-column")
+    wide = Engine(target, weight_layout="wide-column")
     assert current_layout(target.model) == "wide-column"
     assert stock.generate(prompts, max_new_tokens=10, stop_on_eos=False).tokens == expected
     assert current_layout(target.model) == "stock"  # the stock engine put its layout back
@@ -124,7 +124,7 @@ def test_engine_restores_its_layout_and_outputs_do_not_depend_on_it(target):
 
 def test_bad_layout_is_one_clear_error(target):
     with pytest.raises(EngineError, match="weight_layout must be one of"):
-        SpeculativeEngine(target, weight_layout="rows")
+        Engine(target, weight_layout="rows")
 
 
 def test_latency_curves_are_cached_per_layout(target):

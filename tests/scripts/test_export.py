@@ -353,12 +353,12 @@ def test_eval_json_next_to_the_checkpoint_is_found(target, finals, tmp_path):
 
     final = tmp_path / "run" / "final"
     shutil.copytree(finals["medusa"][0], final)
-    for name, temp, tau in (("mt-bench-t0", 0.0, 3.25), ("mt-bench-t1", 1.0, 2.5)):  # infer.evaluate's default
+    for name, temp, tau in (("chat-t0", 0.0, 3.25), ("chat-t1", 1.0, 2.5)):  # infer.evaluate's default
         (final.parent / "eval" / name).mkdir(parents=True)
         (final.parent / "eval" / name / "eval.json").write_text(json.dumps({"temperature": temp, "tau": tau}))
     out = export_head(final, tmp_path / "m", "medusa", target=target)
     card = (out / "README.md").read_text()
-    assert "| mt-bench-t0 | 0.0 | 3.25 |" in card and "| mt-bench-t1 | 1.0 | 2.50 |" in card
+    assert "| chat-t0 | 0.0 | 3.25 |" in card and "| chat-t1 | 1.0 | 2.50 |" in card
 
 
 # -------------------------------------------------------------------------------------- bad input
@@ -467,3 +467,19 @@ def test_bad_input_gives_one_clear_line(finals, tmp_path, capsys):
         assert len(lines) == 1 and lines[0].startswith("export error:") and message in lines[0], (args, lines)
     assert not (tmp_path / "fresh").exists() and [p.name for p in (tmp_path / "used").iterdir()] == ["x"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "half", "used"]
+
+
+def test_every_layout_module_registers_itself_on_import():
+    """A new head's export is one file in heads/formats/: importing the package imports every module."""
+    import dataclasses
+    import pkgutil
+
+    import heads.formats
+
+    modules = {m.name for m in pkgutil.iter_modules(heads.formats.__path__)}
+    assert all(f"heads.formats.{name}" in sys.modules for name in modules)
+    assert {layout.head_kind for layout in LAYOUTS.values()} == {"medusa", "eagle", "eagle3", "mtp"}
+    clash = dataclasses.replace(LAYOUTS["eagle"], head_kind="medusa")
+    with pytest.raises(ExportError, match="'eagle' is already registered"):
+        heads.formats.register_layout(clash)
+    assert LAYOUTS["eagle"].head_kind == "eagle"

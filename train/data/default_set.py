@@ -12,11 +12,11 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from heads.files import swap_in, write_json_atomic
 from heads.target import cache_root
 from train.data.config import DataError, RegenConfig
 from train.data.regenerate import GenerationSettings, done_ids, prompt_rows, regenerate
@@ -75,8 +75,8 @@ def build_default_dataset(regen: RegenConfig, prompts: list[dict], final: Path, 
         raise DataError(f"default dataset build incomplete in {partial}: run again to resume")
     stats.update(conversations=len(rows), seconds=round(time.perf_counter() - started, 1),
                  target=regen.target_name, settings=asdict(settings_of(regen)))
-    report_path(final).write_text(json.dumps(stats, indent=1) + "\n")  # how it was built, read by reports
-    os.replace(partial, final)
+    write_json_atomic(report_path(final), stats)  # how it was built, read by reports
+    swap_in(partial, final)
     log.info("default dataset ready: %s (%s)", final, stats)
     return stats
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 from torch import Tensor
 
 from heads.base import TargetFeatures, compute_features
-from heads.formats.common import file_sha256
+from heads.files import atomic_path, file_sha256, write_json_atomic
 from train.data.batching import collate_fn
 from train.data.config import CACHE_LOGITS, DataError
 
@@ -62,12 +61,6 @@ def batch_keys(input_ids: Tensor, attention_mask: Tensor) -> list[str]:
     """Keys of the rows of a right-padded batch [B, T]."""
     lengths = attention_mask.sum(1).tolist()
     return [row_key(input_ids[b, :n]) for b, n in enumerate(lengths)]
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj) + "\n")
-    os.replace(tmp, path)
 
 
 def _spec_identity(spec: dict) -> dict:
@@ -206,9 +199,8 @@ class CacheWriter:
                    "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])}
         for field in self.pending[0][2]:  # hidden.<i> [N, h], logits.* [N, k] or [N, V]
             tensors[field] = torch.cat([rows[field] for _, _, rows in self.pending])
-        tmp = self.dir / f".{name}.tmp"
-        save_file(tensors, str(tmp), metadata={"keys": json.dumps([key for key, _, _ in self.pending])})
-        os.replace(tmp, self.dir / name)
+        with atomic_path(self.dir / name) as tmp:
+            save_file(tensors, str(tmp), metadata={"keys": json.dumps([key for key, _, _ in self.pending])})
         self.index["shards"].append({"file": name, "sha256": file_sha256(self.dir / name),
                                      "bytes": (self.dir / name).stat().st_size, "entries": len(self.pending),
                                      "tokens": int(lengths.sum())})
@@ -216,7 +208,7 @@ class CacheWriter:
             self.entries[key] = (n, row)
             if "entries" in self.index:  # a format-1 cache keeps its index readable by format-1 code
                 self.index["entries"][key] = [n, row]
-        _write_json_atomic(self.dir / INDEX, self.index)
+        write_json_atomic(self.dir / INDEX, self.index, indent=None)
         self.pending, self.pending_tokens = [], 0
 
 
@@ -292,7 +284,7 @@ def read_index(directory) -> dict:
     path = Path(directory) / INDEX
     if not path.is_file():
         raise HiddenCacheError(f"no hidden-state cache in {directory} (missing {INDEX}): build it with "
-                               f"scripts/cache_hidden_states.py --out {directory} <training overrides>")
+                               f"scripts/cache_hidden_states.py <training overrides> data.hidden_cache={directory}")
     try:
         index = json.loads(path.read_text())
     except json.JSONDecodeError as exc:

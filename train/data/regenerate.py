@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from heads.files import write_text_atomic
 from train.data.conversations import BadRow, end_of_turn_markers, normalize
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def done_ids(path: Path) -> set[str]:
 def _drop_torn_tail(path: Path) -> None:
     if path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
         text = path.read_text()
-        path.write_text(text[: text.rfind("\n") + 1])
+        write_text_atomic(path, text[: text.rfind("\n") + 1])
 
 
 @torch.no_grad()

@@ -6,18 +6,21 @@ from collections import Counter
 
 import pytest
 
-from train.data import DataError
-from train.data.prompt_sets import load_prompt_set
+from infer.prompt_sets import PromptSetError, load_prompt_set
 
-MTBENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+CHAT_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
-def test_mt_bench_set():
-    rows = load_prompt_set("mt-bench")
-    assert load_prompt_set("mtbench") == rows
-    assert len(rows) >= 80 and len({r["id"] for r in rows}) == len(rows)
-    cats = Counter(r["category"] for r in rows)
-    assert set(cats) >= MTBENCH_CATEGORIES and min(cats.values()) >= 10
+def test_chat_set():
+    rows = load_prompt_set("chat")
+    assert len(rows) == 80 and len({r["id"] for r in rows}) == len(rows)
+    assert Counter(r["category"] for r in rows) == {c: 10 for c in CHAT_CATEGORIES}
+
+
+@pytest.mark.parametrize("old", ["mt-bench", "MTBench", "mt_bench"])
+def test_the_old_name_of_the_chat_set_says_its_new_name(old):
+    with pytest.raises(PromptSetError, match="now called 'chat'.*prompts=chat"):
+        load_prompt_set(old)
 
 
 def test_humaneval_set():
@@ -30,12 +33,12 @@ def test_prompt_set_from_path_and_errors(tmp_path):
     path = tmp_path / "mine.jsonl"
     path.write_text(json.dumps({"id": "a", "category": "qa", "prompt": "Why?"}) + "\n")
     assert load_prompt_set(str(path)) == [{"id": "a", "category": "qa", "prompt": "Why?"}]
-    with pytest.raises(DataError, match="unknown prompt set"):
+    with pytest.raises(PromptSetError, match="unknown prompt set"):
         load_prompt_set("no-such-set")
     path.write_text(json.dumps({"prompt": "Why?"}) + "\n")
     assert load_prompt_set(str(path)) == [{"id": "mine-1", "category": "general", "prompt": "Why?"}]
     path.write_text(json.dumps({"id": "a", "text": "Why?"}) + "\n")
-    with pytest.raises(DataError, match="mine.jsonl:1 has no \"prompt\""):
+    with pytest.raises(PromptSetError, match="mine.jsonl:1 has no \"prompt\""):
         load_prompt_set(str(path))
 
 
@@ -55,7 +58,7 @@ def training_prompts() -> list[str]:
     return prompts + [p["prompt"] for p in default_prompts()]
 
 
-@pytest.mark.parametrize("name", ["mt-bench", "humaneval"])
+@pytest.mark.parametrize("name", ["chat", "humaneval"])
 def test_eval_prompts_never_overlap_training_prompts(name):
     """No eval prompt equals a training prompt, and none shares an 8-word passage with one."""
     train = training_prompts()
