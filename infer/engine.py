@@ -144,7 +144,7 @@ class SpeculativeEngine:
                  weight_layout: str = "auto"):
         """budget: a TreeBudget, or "auto" = this target's T(N) curve on this machine, cached on disk by
         `python -m infer.calibrate` or measured (a few seconds, once) the first time a drafter runs;
-        "static" = the seed's batch-size throttle only (see infer/calibrate.py).
+        "static" = a fixed batch-size throttle only (see infer/calibrate.py).
         max_cache_tokens: cap on the KV pool (all rows together); default: room for every row's worst case.
         Past it generation stops with CacheFullError (the cache is never corrupted).
         weight_layout: how the target's Linear weights lie in memory (infer.weight_layout): "auto" = on a
