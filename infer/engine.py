@@ -148,8 +148,8 @@ class SpeculativeEngine:
         max_cache_tokens: cap on the KV pool (all rows together); default: room for every row's worst case.
         Past it generation stops with CacheFullError (the cache is never corrupted).
         weight_layout: how the target's Linear weights lie in memory (infer.weight_layout): "auto" = on a
-        CPU the layout with the faster decode step here (measured once, cached; on this machine the wide
-        weights column-major: the M = 1 GEMV streams them ~1.7x faster), "stock" = as loaded,
+        CPU the layout with the faster decode step here (measured once, cached; the gain of the wide
+        weights column-major depends on the machine, see infer.weight_layout), "stock" = as loaded,
         "wide-column". Values never change; the layout is set in place on `target`."""
         self.model = target.model if hasattr(target, "model") else target
         self.tokenizer = getattr(target, "tokenizer", None)
