@@ -109,7 +109,8 @@ class HeadLoss:
 
 
 def simulated_tau(depth_acc) -> float:
-    """tau = 1 + sum_k prod_{j<=k} a_j (design.md section 3): expected tokens per verification for a chain."""
+    """tau = 1 + sum_k prod_{j<=k} a_j: expected tokens per verification of a chain whose depth-k draft is
+    accepted with probability a_k once depth k-1 was (Leviathan et al. 2023, with per-depth rates)."""
     tau, run = 1.0, 1.0
     for a in depth_acc:
         run *= float(a)

@@ -1,8 +1,8 @@
 """The target's measured latency-vs-tokens curve T(N) and the tree budget the engine derives from it.
 
-Verifying N tokens in one forward costs about one plain step while the target is memory-bound (seed
-section 0); past the ridge point T(N) grows linearly and big trees stop paying. The engine therefore sizes
-trees from the measured curve instead of a constant:
+Verifying N tokens in one forward costs about one plain step while the target is memory-bound (the
+flat part of the roofline, Williams et al. 2009); past the ridge point T(N) grows linearly and big trees
+stop paying. The engine therefore sizes trees from the measured curve instead of a constant:
 
     budget N(B) = the largest N <= max_nodes with r = T(B * N) / T(B) <= min(slack, 1 + node_cost * (N - 1))
 
@@ -10,9 +10,9 @@ i.e. a verification step may cost at most `slack` plain steps of the same batch 
 off as long as it yields > 2 tokens per step, which good heads reach) and each extra node at most
 `node_cost` (default 0.5) of a plain step on average (an extra node yields well under one token). Measured
 tokens are B * N because a batch of B rows with N nodes each is one forward of B * N tokens; this is also
-what throttles drafting at large batch (seed failure mode 2): once B alone is past the ridge, T(2B) ~
+what throttles drafting at large batch: once B alone is past the ridge, T(2B) ~
 2 T(B) > 1.5 T(B) and N falls to 1 (no speculation).
-Without a curve the seed's static throttle applies (full trees for B <= 8, a quarter for B <= 32, none
+Without a curve a fixed throttle applies (full trees for B <= 8, a quarter for B <= 32, none
 beyond).
 
     python -m infer.calibrate target=smollm2-135m      # measure, cache on disk, print the curve

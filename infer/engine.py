@@ -144,12 +144,12 @@ class Engine:
                  weight_layout: str = "auto"):
         """budget: a TreeBudget, or "auto" = this target's T(N) curve on this machine, cached on disk by
         `python -m infer.calibrate` or measured (a few seconds, once) the first time a drafter runs;
-        "static" = the seed's batch-size throttle only (see infer/calibrate.py).
+        "static" = a fixed batch-size throttle only (see infer/calibrate.py).
         max_cache_tokens: cap on the KV pool (all rows together); default: room for every row's worst case.
         Past it generation stops with CacheFullError (the cache is never corrupted).
         weight_layout: how the target's Linear weights lie in memory (infer.weight_layout): "auto" = on a
-        CPU the layout with the faster decode step here (measured once, cached; on this machine the wide
-        weights column-major: the M = 1 GEMV streams them ~1.7x faster), "stock" = as loaded,
+        CPU the layout with the faster decode step here (measured once, cached; the gain of the wide
+        weights column-major depends on the machine, see infer.weight_layout), "stock" = as loaded,
         "wide-column". Values never change; the layout is set in place on `target`."""
         self.model = target.model if hasattr(target, "model") else target
         self.tokenizer = getattr(target, "tokenizer", None)

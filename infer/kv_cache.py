@@ -1,4 +1,4 @@
-"""Paged KV cache (vLLM's PagedAttention, seed section 1) as a transformers `Cache`.
+"""Paged KV cache (vLLM's PagedAttention, Kwon et al. 2023) as a transformers `Cache`.
 
 Storage: one pool per cache for keys and one for values, shaped [layers, kv_heads, slots, head_dim],
 where slot = block * block_size + offset. A row (sequence) owns a block table (logical block -> physical

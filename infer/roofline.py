@@ -1,11 +1,12 @@
-"""Roofline model of a decode step (seed section 0) and what it predicts for speculative decoding.
+"""Roofline model of a decode step (Williams et al. 2009) and what it predicts for speculative decoding.
 
 A decode step that runs N tokens through the target streams every weight once (bytes ~ params) and does
 ~2 N params FLOPs, so its arithmetic intensity grows ~N (bf16) and its latency stays flat until the
 hardware's ridge point, then grows linearly. Speculation rides that flat part: verifying a tree of N
-tokens costs about one plain step. This module predicts T(N), the ridge point, the chain speedup of the
-seed formula and the tree size that maximises tokens per unit time for a head's measured acceptance, and
-prints the prediction next to the engine's measured calibration so one sees how close the hardware gets.
+tokens costs about one plain step. This module predicts T(N), the ridge point, the chain speedup of
+speculative decoding (Leviathan et al. 2023) and the tree size that maximises tokens per unit time for a
+head's measured acceptance, and prints the prediction next to the engine's measured calibration so one
+sees how close the hardware gets.
 
     python -m infer.roofline device=h100-sxm target=smollm2-135m
     python -m infer.roofline device=local target=smollm2-135m acceptance=RUN/eval/eval.json draft_cost=0.05
@@ -187,7 +188,7 @@ def step_cost(shape: TargetShape, n, bytes_per_param: float, context: int = 0):
     """FLOPs and bytes moved by one forward of n new tokens over `context` cached tokens.
 
     Per linear (d_in, d_out): 2 n d_in d_out FLOPs; weights d_in d_out and activations n (d_in + d_out)
-    elements moved (seed section 0). Attention reads the KV cache (context + n positions) once and does
+    elements moved. Attention reads the KV cache (context + n positions) once and does
     4 n (context + n) q*head_dim FLOPs. `n` may be a tensor of sizes."""
     n = torch.as_tensor(n, dtype=torch.float64)
     lin = torch.tensor(shape.linears(), dtype=torch.float64)  # [L, 2]
@@ -224,7 +225,7 @@ def ridge_tokens(shape: TargetShape, device: DeviceSpec, bytes_per_param: float,
 # ------------------------------------------------------------------------------------- speculation
 
 def expected_tokens_chain(alpha: float, gamma: int) -> float:
-    """E[tokens/step] = (1 - alpha^(g+1)) / (1 - alpha), bonus token included (seed section 2)."""
+    """E[tokens/step] = (1 - alpha^(g+1)) / (1 - alpha), bonus token included (Leviathan et al. 2023)."""
     return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
@@ -413,7 +414,7 @@ def report(args: dict, shape: TargetShape, spec: TargetSpec | None = None, out=p
     out("")
     out(f"chain: alpha {alpha}, gamma {gamma}, draft cost c {c}: E[tokens/step] "
         f"{expected_tokens_chain(alpha, gamma):.2f}, speedup {chain_speedup(alpha, gamma, c):.2f}x "
-        f"(seed formula, verification assumed flat); with this T(N): "
+        f"(Leviathan et al. 2023 formula, verification assumed flat); with this T(N): "
         f"{expected_tokens_chain(alpha, gamma) / (float(latency(gamma + 1) / latency(1)) + gamma * c):.2f}x")
     if args["acceptance"] is not None:
         rates = read_acceptance(args["acceptance"])

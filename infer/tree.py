@@ -1,4 +1,4 @@
-"""Tree attention (seed section 3): masks and position ids built with tensor ops from a parent array.
+"""Tree attention (SpecInfer, Miao et al. 2024; Medusa, Cai et al. 2024): masks and position ids built with tensor ops from a parent array.
 
 A draft tree of N nodes is a parent array: parents[0] = -1 (the root, the last committed token) and
 parents[i] < i. Node i attends to the committed context and to its ancestors-or-self; its RoPE position is

@@ -1,4 +1,8 @@
-"""Lossless verification of a draft tree against the target's distributions (design.md section 4).
+"""Lossless verification of a draft tree against the target's distributions.
+
+Lossless: the emitted tokens follow the target's distribution exactly, whatever the drafter proposes
+(speculative sampling, Leviathan et al. 2023 and Chen et al. 2023; tree verification, SpecInfer, Miao
+et al. 2024).
 
 One call verifies a whole batch of trees in one pass over their depth. Three rules:
 

@@ -6,8 +6,10 @@ MKL's kernel for that case streams wide matrices (out > in: the MLP's gate/up pr
 ~9 GB/s on this machine, while the same product over W stored column-major (W^T contiguous, [in, out]) runs
 at ~14-21 GB/s. Same shapes, same values, same modules, same transformers code: only the strides change,
 so `F.linear(x, weight)` becomes a contiguous-B GEMM. Measured on SmolLM2-135M (2-core CPU, fp32): one
-decode step 61 -> 49 ms; a forward of 4-32 tokens (a tree) 5-10% slower, which the engine's measured
-T(N) curve (infer.calibrate) accounts for, since it is measured under the layout the engine runs.
+decode step 61 -> 49 ms on a loaded machine (a quiet re-run found the engine's plain decoding at 0.98x HF
+generate(), i.e. no gain: measure on your machine, as `auto` does); a forward of 4-32 tokens (a tree)
+5-10% slower, which the engine's measured T(N) curve (infer.calibrate) accounts for, since it is measured
+under the layout the engine runs.
 
     layout = apply_layout(model, "auto")     # what the engine does
     with stock_layout(model):                # what a transformers user runs (the HF generate() baseline)

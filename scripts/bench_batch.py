@@ -1,4 +1,5 @@
-"""Speculative speedup vs batch size, with and without the batch-size throttle (seed failure mode 2).
+"""Speculative speedup vs batch size, with and without the batch-size throttle (large batches leave no flat
+part of T(N) for trees to ride).
 
 At batch B a tree of N nodes per row makes one target forward of B x N tokens. Small batches sit on the
 flat, memory-bound part of T(N), so trees are nearly free; large batches are already near the ridge, so

@@ -350,7 +350,7 @@ class Window:
 @torch.no_grad()
 def validate(job: Job) -> dict:
     """Per-depth top-1 accuracy of the head's drafts on the held-out split (all ranks) and the simulated
-    tau = 1 + sum_k prod_{j<=k} acc_j they imply (design.md section 3)."""
+    tau = 1 + sum_k prod_{j<=k} acc_j they imply (expected tokens per verification of a chain)."""
     accelerator, model = job.accelerator, job.model
     model.eval()
     correct = count = None

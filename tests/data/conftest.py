@@ -10,7 +10,7 @@ def tiny_tokenizer():
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    """The default target's real tokenizer and chat template (from its GGUF; ~7 s, once per session)."""
+    """The default target's real tokenizer and chat template (from its GGUF; ~7 s, once per test run)."""
     from transformers import AutoTokenizer
 
     from heads.target import SMOLLM2_GGUF, fetch_smollm2

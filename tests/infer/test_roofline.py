@@ -1,4 +1,5 @@
-"""The roofline formulas: ridge point, the seed's speedup formula and its limits, the best tree size."""
+"""The roofline formulas: ridge point, the chain speedup (Leviathan et al. 2023) and its limits, the best
+tree size."""
 
 import json
 
@@ -9,7 +10,7 @@ from heads.target import target_config, target_preset
 from infer import roofline as rf
 
 H100 = rf.DEVICES["h100-sxm"]
-# A 7B-class Llama: d_model far above the token counts of interest, so the seed's I(N) ~ N holds (bf16)
+# A 7B-class Llama: d_model far above the token counts of interest, so I(N) ~ N holds (bf16)
 LLAMA7B = rf.TargetShape("llama-7b", hidden=4096, intermediate=11008, layers=32, vocab=32000, heads=32,
                          kv_heads=32, head_dim=128)
 
@@ -31,8 +32,8 @@ def test_intensity_is_about_n_in_bf16_for_a_large_model():
         assert float(rf.intensity(LLAMA7B, n, 2)) == pytest.approx(n, rel=0.05)
 
 
-def test_ridge_point_near_seed_value_for_h100():
-    # seed section 0: N_ridge = 989 / 3.35 ~ 295 tokens for a bf16 model with N << d_model
+def test_ridge_point_near_hand_computed_value_for_h100():
+    # N_ridge = 989 / 3.35 ~ 295 tokens for a bf16 model with N << d_model
     assert H100.ridge_intensity == pytest.approx(295.2, abs=0.1)
     n_ridge = rf.ridge_tokens(LLAMA7B, H100, 2)
     assert 295 <= n_ridge <= 400  # activation traffic pushes it a little above the weight-only value
@@ -48,8 +49,8 @@ def test_ridge_point_grows_with_bandwidth_scarcity_and_shrinks_with_fewer_bytes(
     assert rf.ridge_tokens(LLAMA7B, H100, 1) < rf.ridge_tokens(LLAMA7B, H100, 2)  # fp8 weights
 
 
-def test_speedup_formula_seed_example_and_limits():
-    # seed section 2: alpha 0.8, gamma 5, c 0.05 -> 3.69 tokens/step, 2.95x
+def test_speedup_formula_worked_example_and_limits():
+    # Leviathan et al. 2023, chain speedup: alpha 0.8, gamma 5, c 0.05 -> 3.69 tokens/step, 2.95x
     assert rf.expected_tokens_chain(0.8, 5) == pytest.approx(3.689, abs=1e-3)
     assert rf.chain_speedup(0.8, 5, 0.05) == pytest.approx(2.951, abs=1e-3)
     assert rf.chain_speedup(0.0, 5, 0.1) == pytest.approx(1 / 1.5)  # nothing accepted: pure overhead
@@ -75,7 +76,7 @@ def test_tree_probs_form_a_valid_tree_best_first():
 
 
 def test_chain_plan_matches_simulated_tau():
-    # top_k = 1 makes the tree a chain: expected tokens = 1 + sum_k prod_j a_j (design.md section 3)
+    # top_k = 1 makes the tree a chain: expected tokens = 1 + sum_k prod_j a_j (expected tokens of a chain)
     rates = [0.8, 0.6, 0.5]
     plan = rf.best_tree(rates, flat, draft_cost=0.0, max_nodes=10, top_k=1)
     assert plan.size == 3 and plan.depth == 3
@@ -121,7 +122,7 @@ def test_cli_prints_the_model(capsys):
     assert rf.main(["device=h200", "target=smollm2-135m", "dtype=bf16", "acceptance=[0.8,0.6,0.4]"]) == 0
     out = capsys.readouterr().out
     assert "N_ridge" in out and "T(N) pred ms" in out and "best size" in out
-    assert "speedup 2.95x" in out  # the default alpha/gamma/c are the seed's example
+    assert "speedup 2.95x" in out  # defaults alpha 0.8, gamma 5, c 0.05: the worked example above
 
 
 @pytest.mark.parametrize("argv, named", [

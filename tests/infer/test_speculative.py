@@ -58,6 +58,7 @@ def test_draft_model_equal_to_the_target_accepts_everything(target, prompts, pla
     assert rates[0] == 1.0  # the target's own top-1 is always its argmax
     if policy != "dynamic":  # fixed shapes keep the argmax path: every depth is accepted
         assert all(r == 1.0 for r in rates)
+        assert out.stats.tau == len(rates) + 1  # every step emits the whole argmax path plus the bonus token
 
 
 def test_a_different_draft_model_is_lossless(target, prompts, plain):
@@ -77,7 +78,9 @@ def test_every_head_kind_is_lossless(target, prompts, plain, kind):
     for policy, opts in [("dynamic", dict(total_tokens=10, depth=3, top_k=3)), ("chain", dict(gamma=3))]:
         out = speculate(target, prompts, build_drafter("head", target, head=head, policy=policy, **opts))
         assert out.tokens == plain, (kind, policy)
-        assert out.stats.tau >= 1.0
+        stats = out.stats  # tau counts what was accepted: one token per step plus its accepted drafts
+        assert stats.tau == pytest.approx(1 + sum(stats.accepted_at_depth) / stats.row_steps), (kind, policy)
+        assert stats.drafted_at_depth[0] == stats.row_steps  # every row drafted at every step
 
 
 def test_dynamic_tree_keeps_the_best_candidates_as_a_tree():
@@ -185,6 +188,33 @@ class Oracle(Drafter):
         idx = (self.generated[:, None] + torch.arange(n)).clamp(max=self.cont.shape[1] - 1)
         tokens = torch.where(torch.arange(B)[:, None] == 0, self.cont[0].gather(0, idx[0])[None], 5)
         return Draft(torch.cat([root[:, None], tokens], 1), chain_parents(n + 1))
+
+
+class Contrary(Oracle):
+    """Proposes each row's plain greedy continuation with every token id shifted by one: never the argmax."""
+
+    def __init__(self, continuations, vocab_size, gamma=4):
+        super().__init__(continuations, gamma)
+        self.vocab_size = vocab_size
+
+    def propose(self, root, max_nodes):
+        from infer.drafters import Draft
+        from infer.tree import chain_parents
+
+        n = max_nodes - 1
+        idx = self.generated[:, None] + torch.arange(n)  # [B, n] positions of the next n tokens
+        tokens = (self.cont.gather(1, idx) + 1) % self.vocab_size  # [B, n]
+        return Draft(torch.cat([root[:, None], tokens], 1), chain_parents(n + 1))
+
+
+def test_a_drafter_that_is_always_wrong_gains_nothing_and_changes_nothing(target, prompts, plain):
+    gamma = 4
+    cont = SpeculativeEngine(target).generate(prompts, max_new_tokens=NEW + gamma + 1, stop_on_eos=False).tokens
+    drafter = Contrary(cont, target.model.config.vocab_size, gamma=gamma)
+    out = speculate(target, prompts, drafter)
+    assert out.tokens == plain
+    assert out.stats.tau == 1.0  # every step emits only the target's own token
+    assert out.stats.drafted_at_depth[0] == out.stats.row_steps and out.stats.acceptance_by_depth[0] == 0.0
 
 
 def test_rows_accepting_different_amounts_and_a_finished_row_riding_along(target, prompts):

@@ -1,4 +1,4 @@
-"""verify_tree is lossless (design.md section 4 test plan).
+"""verify_tree is lossless.
 
 - the first emitted token follows p: V = 16, Dirichlet(0.3 / 1 / 3) target and draft, a chain of 3,
   a star of 4 and a two-level tree, 10^6 verifications batched; chi-square p-value > 1e-4, TV < 0.004
@@ -214,7 +214,7 @@ def test_per_row_trees_with_padding(rule):
 
 
 def test_a_lossy_verifier_fails_the_first_token_statistic():
-    # negative control: the p/q test applied to deterministic top-k children (lossy, design.md)
+    # negative control: the p/q test applied to deterministic top-k children (lossy: a child that is always proposed is accepted too often)
     p, q = dirichlet(1.0, (5,), seed=21), dirichlet(1.0, (5,), seed=22)
     first, _ = verify_many(TREES["star4"], p, q, sampled=False, judge_q=q, n=3 * CHUNK)
     assert law_pvalue(first, p[0]) < 1e-4 and total_variation(first, p[0]) > 0.004

@@ -53,9 +53,16 @@ def test_bench_batch(script, capsys):
 
 
 def test_bench_train_scaling(script, capsys):
-    lines = run(script("bench_train"), ["--quick", "--scaling", "--heads", "medusa", "eagle"], capsys)
-    growth = [line for line in lines if "cost per token at 64 vs 32" in line]
-    assert [line.split(":")[0] for line in growth] == ["medusa", "eagle"]
+    module = script("bench_train")
+    lines = run(module, ["--quick", "--scaling", "--heads", "medusa", "eagle"], capsys)
+    growth_line = re.compile(r"^(\w+): head cost per token at 64 vs 32 tokens: (\d+\.\d+)x \((.+?);")
+    growth = {m[1]: (float(m[2]), m[3]) for m in map(growth_line.match, lines) if m}
+    assert set(growth) == {"medusa", "eagle"}
+    for g, verdict in growth.values():  # the verdict follows the measured growth, whichever it is
+        assert verdict == ("no worse than linear" if g <= module.LINEAR_SLACK else "WORSE than linear")
+    worst = re.search(r"worst head \((\w+)\)", lines[-1])[1]  # the headline names the fastest-growing head
+    assert growth[worst][0] == max(g for g, _ in growth.values())
+    assert float(HEADLINE.search(lines[-1])[0][2:-1]) == growth[worst][0]
 
 
 def test_bench_train_vocabulary(script, capsys):

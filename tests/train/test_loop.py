@@ -27,10 +27,12 @@ def test_smoke_run_leaves_a_loadable_head_and_validation_metrics(head, tmp_path)
     assert config["head_kind"] == head and config["target"]["path"] == "tiny-random"
     recipe = config["training"]
     assert recipe["steps"] == 6 and recipe["data"]["name"] == "tiny" and recipe["tokens_seen"] > 0
-    assert recipe["validation"]["sim_tau"] >= 1.0
 
     val = rows(run_dir, "val")
     assert [r["step"] for r in val] == [3, 6]
+    assert recipe["validation"]["sim_tau"] == pytest.approx(val[-1]["sim_tau"])  # the last validation
+    best = max(val, key=lambda r: r["sim_tau"])  # the earliest of equals: a tie does not replace the best
+    assert recipe["best"] == {"step": best["step"], "sim_tau": pytest.approx(best["sim_tau"])}
     for r in val:  # tau = 1 + sum_k prod_{j<=k} acc_k
         acc = [r[k] for k in sorted(r) if k.startswith("acc_depth_")]
         tau, run = 1.0, 1.0

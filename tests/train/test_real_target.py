@@ -23,4 +23,9 @@ def test_each_head_trains_on_the_default_target(head, tmp_path):
     assert config["target"]["name"] == "smollm2-135m" and config["target_shape"]["vocab_size"] == 49152
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss"]) for r in rows)
-    assert [r["sim_tau"] >= 1.0 for r in rows if r["split"] == "val"] == [True]
+    val = [r for r in rows if r["split"] == "val"]
+    assert [r["step"] for r in val] == [3]
+    acc = [val[0][f"acc_depth_{k + 1}"] for k in range(sum(key.startswith("acc_depth_") for key in val[0]))]
+    assert acc and all(0.0 <= a <= 1.0 for a in acc)
+    assert val[0]["sim_tau"] == pytest.approx(1 + sum(math.prod(acc[:k + 1]) for k in range(len(acc))))
+    assert config["training"]["validation"]["sim_tau"] == pytest.approx(val[0]["sim_tau"])
