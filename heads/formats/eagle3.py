@@ -14,16 +14,28 @@ Both engines capture in ascending layer order, once per id, neither can capture 
 (a = 0) or the final-normed state (a = N), and vLLM's `fc` reads exactly 3 hidden states. So the export writes both keys, each in its engine's convention
 (vLLM's top-level key wins in vLLM, SGLang only reads eagle_config), and refuses aux layers outside
 [1, N-1], repeated or out of ascending order. `norm_before_residual: false`: the fused feature, not its norm,
-is the residual (EAGLE-3's code; the speculators default is true, so it is always written).
+is the residual (EAGLE-3's code; written explicitly, although it is also the default of vLLM and of speculators
+0.9.0). `norm_output` is deliberately not written: the key means opposite things to the peers (vLLM: feed the
+*normed* output to the next step, default false; SpecForge: apply `norm` before `lm_head`, default true), and
+each one's default is EAGLE-3's computation.
+
+Peers' extra expectations: speculators and SpecForge's warm start read `embed_tokens.weight` from the draft, so
+both layouts carry a copy of the target's input embedding (V x h more on disk). With the full vocabulary
+speculators builds no d2t/t2d buffers (they would be unexpected keys), so `eagle3-speculators` leaves them out;
+the official layout keeps them, as SGLang and SpecForge expect.
 """
 
 from __future__ import annotations
+
+import torch
 
 from heads.formats import Layout, Serve, register_layout
 from heads.formats.common import ExportError, llama_layer_fields, refuse_attention_bias
 from heads.formats.eagle import eagle_serve_commands
 
 SPEC_PREFIX = "layers.0."
+VOCAB_MAPS = ("d2t", "t2d")
+EMBEDDING = "embed_tokens.weight"
 
 
 def engine_aux_ids(head) -> tuple[list[int], list[int]]:
@@ -40,8 +52,35 @@ def official_names(head) -> dict[str, str]:
     return {key: key for key in head.state_dict()}
 
 
+def full_vocab(head) -> bool:
+    """The draft vocabulary is the whole target vocabulary: d2t is all zeros and t2d all true."""
+    return head.draft_vocab_size == head.target_config.vocab_size
+
+
 def speculators_names(head) -> dict[str, str]:
-    return {key.replace("midlayer.", SPEC_PREFIX, 1): key for key in head.state_dict()}
+    """`midlayer.` -> `layers.0.`; no d2t/t2d with the full vocabulary (speculators then builds no mapping
+    buffers and would report them as unexpected keys)."""
+    dropped = VOCAB_MAPS if full_vocab(head) else ()
+    return {key.replace("midlayer.", SPEC_PREFIX, 1): key for key in head.state_dict() if key not in dropped}
+
+
+def speculators_dropped(head) -> list[str]:
+    return list(VOCAB_MAPS) if full_vocab(head) else []
+
+
+def identity_vocab_maps(head, found) -> dict:
+    """d2t/t2d of a full draft vocabulary, where `speculators_names` leaves them out."""
+    if not full_vocab(head):
+        return {}
+    return {"d2t": torch.zeros_like(head.d2t), "t2d": torch.ones_like(head.t2d)}
+
+
+def target_embedding(head, prov) -> dict:
+    """A copy of the target's input embedding. speculators builds `embed_tokens` (NaN until loaded) and
+    SpecForge's warm start refuses a draft without it; vLLM uses it as the draft's own (and shares the
+    target's when the copy is identical), SGLang replaces it with the target's."""
+    weight = head.frozen["embed_tokens"].weight.detach()
+    return {EMBEDDING: weight.to(head.fc.weight.dtype).contiguous().cpu()}
 
 
 def eagle3_fields(head) -> dict:
@@ -69,7 +108,16 @@ def speculators_config(head, prov) -> dict:
             "algorithm": "eagle3", "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": prov.num_speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": prov.target_name, "architectures": target_arch}}}}
+            "verifier": {"name_or_path": verifier_reference(prov), "architectures": target_arch}}}}
+
+
+def verifier_reference(prov) -> str:
+    """speculators and `vllm serve DIR` load the verifier from this: a Hub id or an absolute local path."""
+    if not prov.base_model:
+        raise ExportError(f"format=eagle3-speculators names the verifier that `vllm serve` and speculators load, "
+                          f"but target {prov.target_name!r} is neither a Hub id nor a local transformers folder: "
+                          f"pass base_model=<Hub id, or the folder of the target saved with save_pretrained>")
+    return prov.base_model
 
 
 def causal_lm_class(config) -> str:
@@ -91,18 +139,23 @@ def speculators_serve(where: str, prov) -> list[Serve]:
 DESCRIPTION = ("`fc.weight` [h, 3h] over the concatenated aux hidden states, one decoder layer whose q/k/v read "
                "`cat(input_layernorm(embed), hidden_norm(fused))` [2h] with the fused feature as residual, "
                "`norm.weight`, `lm_head.weight` [Vd, h] over the draft vocabulary, `d2t` (int64 [Vd], target id = "
-               "draft id + d2t[draft id]) and `t2d` (bool [V]); no `embed_tokens` (the target's is shared). "
+               "draft id + d2t[draft id]), `t2d` (bool [V]) and `embed_tokens.weight` [V, h], a copy of the "
+               "target's input embedding (speculators and SpecForge's warm start need it; vLLM and SGLang read "
+               "the same values). "
                "`eagle_aux_hidden_state_layer_ids` (top level) counts layer inputs as vLLM does; "
                "`eagle_config.eagle_aux_hidden_state_layer_ids` counts layer outputs (= vLLM id - 1) as SGLang does.")
 
 register_layout(Layout(
     name="eagle3", head_kind="eagle3", primary=True, weights_file="model.safetensors",
     tensor_names=official_names, configs=official_config, serve=official_serve, library_name="vllm",
+    extra_tensors=target_embedding,
     description="Official EAGLE-3 layout (`LlamaForCausalLMEagle3`, loaded by vLLM and SGLang): decoder layer "
-                "`midlayer.*`; " + DESCRIPTION))
+                "`midlayer.*`, always `d2t`/`t2d` (SGLang and SpecForge expect them); " + DESCRIPTION))
 
 register_layout(Layout(
     name="eagle3-speculators", head_kind="eagle3", primary=False, weights_file="model.safetensors",
     tensor_names=speculators_names, configs=speculators_config, serve=speculators_serve, library_name="vllm",
+    extra_tensors=target_embedding, derived=speculators_dropped, restore=identity_vocab_maps,
     description="vLLM speculators layout (`Eagle3Speculator`; `vllm serve <this>` starts the verifier named in "
-                "`speculators_config` with this drafter): decoder layer `layers.0.*`; " + DESCRIPTION))
+                "`speculators_config` with this drafter): decoder layer `layers.0.*`, `d2t`/`t2d` only with a "
+                "reduced draft vocabulary (speculators has no such buffers otherwise); " + DESCRIPTION))
