@@ -31,13 +31,13 @@ eagle (primary for eagle; EAGLE-1/2: vLLM `EagleLlamaForCausalLM`, SGLang `Llama
                  rope, vocab_size V, tie_word_embeddings false), architectures
                  [LlamaForCausalLMEagle, EagleLlamaForCausalLM]: SGLang resolves the first; vLLM prefixes
                  "Eagle" to each name and resolves the first it knows.
-    model.safetensors  fc.weight [h, 2h] (input cat(embed(x_t+1), f_t), no bias), layers.0.self_attn.
+    model.safetensors  fc.weight [h, 2h] (input cat(embed(x_t+1), f_t)), fc.bias [h] (zero), layers.0.self_attn.
                  {q,k,v,o}_proj.weight, layers.0.post_attention_layernorm.weight, layers.0.mlp.{gate,up,down}
                  _proj.weight; no input_layernorm, no final norm, no embed_tokens / lm_head (the target's are
                  shared). f = the target's final-normed last hidden state; the draft feature is the layer's
                  output (residual stream), read by the target's LM head.
-    SGLang builds fc *with* a bias and keeps its init when the file has none: `eagle_fc_bias=true` adds a
-    zero fc.bias (vLLM skips names it does not have).
+    SGLang builds fc *with* a bias and silently keeps its random init when the file has none, so the zero
+    fc.bias is always written (vLLM builds fc without one and ignores it).
 eagle3 (primary for eagle3; official EAGLE-3 layout, vLLM and SGLang `LlamaForCausalLMEagle3`)
     config.json  one-layer Llama config (vocab_size = V, the target's), architectures
                  [LlamaForCausalLMEagle3], draft_vocab_size Vd, target_hidden_size, tie_word_embeddings false,
@@ -46,7 +46,9 @@ eagle3 (primary for eagle3; official EAGLE-3 layout, vLLM and SGLang `LlamaForCa
     model.safetensors  fc.weight [h, 3h], midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}
                  .weight [h], midlayer.self_attn.{q,k,v}_proj.weight [*, 2h], midlayer.self_attn.o_proj.weight,
                  midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight [Vd, h], d2t int64 [Vd]
-                 (target id = draft id + d2t[draft id]), t2d bool [V]; no embed_tokens.
+                 (target id = draft id + d2t[draft id]) and t2d bool [V] only when Vd < V (vLLM refuses d2t
+                 with the full vocabulary), embed_tokens.weight [V, h] (a copy of the target's: SpecForge's
+                 warm start requires it, speculators reads it; vLLM and SGLang use the target's values).
     Aux-layer ids: the head fuses hidden_states[a] (input of decoder layer a). vLLM's id i captures the input
     of layer i (id = a), SGLang's id j captures the output of layer j (id = a - 1; SpecForge's default
     [1, N//2-1, N-4] is EAGLE-3's [2, N//2, N-3]). vLLM reads the top-level key first and SGLang only
@@ -55,9 +57,11 @@ eagle3 (primary for eagle3; official EAGLE-3 layout, vLLM and SGLang `LlamaForCa
 eagle3-speculators (vLLM `Eagle3Speculator`: `vllm serve DIR` with no flags)
     config.json  {architectures: [Eagle3Speculator], speculators_model_type: eagle3, transformer_layer_config
                  (the one-layer Llama config), draft_vocab_size, target_hidden_size, norm_before_residual
-                 false (the speculators default is true), eagle_aux_hidden_state_layer_ids (vLLM ids),
+                 false (written explicitly; speculators 0.9.0's default is also false),
+                 eagle_aux_hidden_state_layer_ids (vLLM ids),
                  speculators_config {algorithm eagle3, proposal_methods [{proposal_type greedy,
-                 speculative_tokens K, ...}], default_proposal_method, verifier {name_or_path, architectures}}}
+                 speculative_tokens K, ...}], default_proposal_method, verifier {name_or_path: a Hub id or
+                 an absolute path, which vLLM and speculators load the target from; refused without one}}}
     model.safetensors  as eagle3 with `midlayer.` renamed `layers.0.`.
 mtp (primary for mtp; DeepSeek-V3 MTP: vLLM `DeepSeekMTP`, SGLang `DeepseekV3ForCausalLMNextN`)
     model-mtp.safetensors  module k as layer N+k of the target: model.layers.{N+k}.{enorm,hnorm}.weight [h],

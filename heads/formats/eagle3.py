@@ -20,9 +20,10 @@ is the residual (EAGLE-3's code; written explicitly, although it is also the def
 each one's default is EAGLE-3's computation.
 
 Peers' extra expectations: SpecForge's warm start requires `embed_tokens.weight` in the draft and speculators
-reads it from there first, so both layouts carry a copy of the target's input embedding (V x h more on disk). With the full vocabulary
-speculators builds no d2t/t2d buffers (they would be unexpected keys), so `eagle3-speculators` leaves them out;
-the official layout keeps them, as SGLang and SpecForge expect.
+reads it from there first, so both layouts carry a copy of the target's input embedding (V x h more on disk). With the full vocabulary both
+layouts leave d2t/t2d out: vLLM has no parameter for d2t then (it refuses the draft) and speculators builds no
+such buffers (unexpected keys); SGLang needs none. SpecForge's draft always has them, so its warm start of a
+full-vocabulary export reports them missing: serving comes first.
 """
 
 from __future__ import annotations
@@ -48,28 +49,28 @@ def engine_aux_ids(head) -> tuple[list[int], list[int]]:
     return aux, [a - 1 for a in aux]
 
 
-def official_names(head) -> dict[str, str]:
-    return {key: key for key in head.state_dict()}
-
-
 def full_vocab(head) -> bool:
     """The draft vocabulary is the whole target vocabulary: d2t is all zeros and t2d all true."""
     return head.draft_vocab_size == head.target_config.vocab_size
 
 
+def official_names(head) -> dict[str, str]:
+    return {key: key for key in head.state_dict() if key not in dropped_vocab_maps(head)}
+
+
 def speculators_names(head) -> dict[str, str]:
-    """`midlayer.` -> `layers.0.`; no d2t/t2d with the full vocabulary (speculators then builds no mapping
-    buffers and would report them as unexpected keys)."""
-    dropped = VOCAB_MAPS if full_vocab(head) else ()
-    return {key.replace("midlayer.", SPEC_PREFIX, 1): key for key in head.state_dict() if key not in dropped}
+    return {key.replace("midlayer.", SPEC_PREFIX, 1): key for key in head.state_dict()
+            if key not in dropped_vocab_maps(head)}
 
 
-def speculators_dropped(head) -> list[str]:
+def dropped_vocab_maps(head) -> list[str]:
+    """d2t/t2d are left out with the full vocabulary: vLLM then has no parameter for d2t and refuses the
+    draft, and speculators builds no such buffers (they would be unexpected keys)."""
     return list(VOCAB_MAPS) if full_vocab(head) else []
 
 
 def identity_vocab_maps(head, found) -> dict:
-    """d2t/t2d of a full draft vocabulary, where `speculators_names` leaves them out."""
+    """d2t/t2d of a full draft vocabulary, which the layouts leave out."""
     if not full_vocab(head):
         return {}
     return {"d2t": torch.zeros_like(head.d2t), "t2d": torch.ones_like(head.t2d)}
@@ -139,7 +140,8 @@ def speculators_serve(where: str, prov) -> list[Serve]:
 DESCRIPTION = ("`fc.weight` [h, 3h] over the concatenated aux hidden states, one decoder layer whose q/k/v read "
                "`cat(input_layernorm(embed), hidden_norm(fused))` [2h] with the fused feature as residual, "
                "`norm.weight`, `lm_head.weight` [Vd, h] over the draft vocabulary, `d2t` (int64 [Vd], target id = "
-               "draft id + d2t[draft id]), `t2d` (bool [V]) and `embed_tokens.weight` [V, h], a copy of the "
+               "draft id + d2t[draft id]) and `t2d` (bool [V]) when the draft vocabulary is reduced (with the full "
+               "vocabulary they are left out: vLLM refuses them there), `embed_tokens.weight` [V, h], a copy of the "
                "target's input embedding (speculators and SpecForge's warm start need it; vLLM and SGLang read "
                "the same values). "
                "`eagle_aux_hidden_state_layer_ids` (top level) counts layer inputs as vLLM does; "
@@ -148,14 +150,13 @@ DESCRIPTION = ("`fc.weight` [h, 3h] over the concatenated aux hidden states, one
 register_layout(Layout(
     name="eagle3", head_kind="eagle3", primary=True, weights_file="model.safetensors",
     tensor_names=official_names, configs=official_config, serve=official_serve, library_name="vllm",
-    extra_tensors=target_embedding,
+    extra_tensors=target_embedding, derived=dropped_vocab_maps, restore=identity_vocab_maps,
     description="Official EAGLE-3 layout (`LlamaForCausalLMEagle3`, loaded by vLLM and SGLang): decoder layer "
-                "`midlayer.*`, always `d2t`/`t2d` (SGLang and SpecForge expect them); " + DESCRIPTION))
+                "`midlayer.*`; " + DESCRIPTION))
 
 register_layout(Layout(
     name="eagle3-speculators", head_kind="eagle3", primary=False, weights_file="model.safetensors",
     tensor_names=speculators_names, configs=speculators_config, serve=speculators_serve, library_name="vllm",
-    extra_tensors=target_embedding, derived=speculators_dropped, restore=identity_vocab_maps,
+    extra_tensors=target_embedding, derived=dropped_vocab_maps, restore=identity_vocab_maps,
     description="vLLM speculators layout (`Eagle3Speculator`; `vllm serve <this>` starts the verifier named in "
-                "`speculators_config` with this drafter): decoder layer `layers.0.*`, `d2t`/`t2d` only with a "
-                "reduced draft vocabulary (speculators has no such buffers otherwise); " + DESCRIPTION))
+                "`speculators_config` with this drafter): decoder layer `layers.0.*`; " + DESCRIPTION))

@@ -50,9 +50,10 @@ def test_smoke_trained_head_exports_and_reloads(fmt, runs, tmp_path):
     tensors = load_file(str(out / layout.weights_file))
     want = expected_tensors(layout, head, read_provenance(out))
     assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == {k: (v.shape, v.dtype) for k, v in want.items()}
-    if fmt in ("eagle", "medusa-original", "eagle3-speculators"):  # sizes differ from test_export's heads
+    if fmt in ("eagle", "medusa-original", "eagle3", "eagle3-speculators"):  # sizes differ from test_export's
         assert len(tensors) == {"eagle": len(EXPECTED["eagle"]), "medusa-original": 4 * 3,  # full vocabulary:
-                                "eagle3-speculators": len(EXPECTED["eagle3-speculators"]) - 2}[fmt]  # no d2t/t2d
+                                "eagle3": len(EXPECTED["eagle3"]) - 2,  # no d2t/t2d
+                                "eagle3-speculators": len(EXPECTED["eagle3-speculators"]) - 2}[fmt]
 
     back = load_export(out, target=target)
     for name, value in head.state_dict().items():
