@@ -372,6 +372,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    import torch
+
+    torch.set_num_threads(1)  # tiny forwards, one per draft: threads only contend (vLLM runs beside)
     args = parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
