@@ -378,9 +378,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    for given, known, what in ((skip, VENVS, "--skip peers"), (set(targets), TARGETS, "--targets")):
-        if set(given) - set(known) or not targets:
-            print(f"error: unknown {what} {sorted(set(given) - set(known)) or targets}: choose from {sorted(known)}",
+    for given, known, flag in ((skip, VENVS, "--skip"), (set(targets), TARGETS, "--targets")):
+        if given - set(known) or (flag == "--targets" and not given):
+            print(f"error: {flag} {sorted(given - set(known)) or 'is empty'}: choose from {sorted(known)}",
                   file=sys.stderr)
             return 2
     args.work.mkdir(parents=True, exist_ok=True)
