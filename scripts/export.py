@@ -32,10 +32,9 @@ class ExportConfig:
     format: str = "auto"  # auto (the head's primary layout) | a layout registered in heads/formats/
     overwrite: bool = False
     eval: Any = None  # eval.json path(s) from infer.evaluate (default: eval*.json found next to checkpoint)
-    base_model: Optional[str] = None  # Hub id of the target (default: from the checkpoint's target spec)
+    base_model: Optional[str] = None  # Hub id or local folder of the target (default: from the checkpoint's target spec)
     num_speculative_tokens: Optional[int] = None  # draft length in the serving commands (default: head depth)
     license: Optional[str] = "apache-2.0"  # model-card license: follow the target's license terms
-    eagle_fc_bias: bool = False  # format=eagle: add a zero fc.bias, for SGLang's LlamaForCausalLMEagle
     push: bool = False  # upload output= to the Hub (create_repo(exist_ok=True) + upload_folder)
     repo_id: Optional[str] = None  # ORG/NAME, required with push=true
     private: bool = False
@@ -56,8 +55,7 @@ def export(cfg: DictConfig) -> Path:
     eval_path = OmegaConf.to_container(cfg.eval) if OmegaConf.is_config(cfg.eval) else cfg.eval
     out = export_head(cfg.checkpoint, cfg.output, cfg.format, overwrite=cfg.overwrite, eval_path=eval_path,
                       base_model=cfg.base_model, num_speculative_tokens=cfg.num_speculative_tokens,
-                      license=cfg.license, where=cfg.repo_id if cfg.push else None,
-                      layout_options={"fc_bias": cfg.eagle_fc_bias} if cfg.eagle_fc_bias else None)
+                      license=cfg.license, where=cfg.repo_id if cfg.push else None)
     log.info("exported %s -> %s", cfg.checkpoint, out)
     if cfg.push:
         url = push_folder(out, cfg.repo_id, private=cfg.private, commit_message=cfg.commit_message)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from heads.formats.common import ExportError
+from heads.formats.common import ExportError, is_local_path
 
 EVAL_GLOBS = ("eval*.json", "*/eval.json", "eval/*/eval.json")  # infer.evaluate writes RUN/eval/<set>-t<T>/
 
@@ -137,7 +137,7 @@ def model_card(head, layout, prov, evaluation: list[dict], license: str | None, 
 
     where = where or "<this repo or folder>"
     data = ModelCardData(
-        base_model=prov.base_model, library_name=layout.library_name, license=license,
+        base_model=None if is_local_path(prov.base_model) else prov.base_model, library_name=layout.library_name, license=license,
         datasets=datasets_of(prov) or None,
         tags=["speculative-decoding", "draft-model", f"{prov.head_kind}", f"headway-{layout.name}", "headway"])
     opts = dict(prov.options)

@@ -36,6 +36,27 @@ def target_hub_id(spec: dict) -> str | None:
     return None if looks_local or Path(path).exists() else path
 
 
+def target_reference(spec: dict, base_model: str | None = None) -> str | None:
+    """What a serving engine loads the target from: `base_model` when given, else the Hub id the spec names,
+    else the absolute path of a local transformers folder (config.json, no GGUF). A local path is made
+    absolute so the reference still loads from another working directory. None: nothing loadable (a target
+    built in code, a GGUF file), so the caller must be told `base_model=`."""
+    if base_model:
+        local = Path(base_model).expanduser()
+        return str(local.resolve()) if local.exists() else base_model
+    hub_id = target_hub_id(spec)
+    if hub_id:
+        return hub_id
+    local = Path(spec.get("path") or "").expanduser()
+    if spec.get("path") and not spec.get("gguf_file") and (local / "config.json").is_file():
+        return str(local.resolve())
+    return None
+
+
+def is_local_path(reference: str | None) -> bool:
+    return bool(reference) and reference.startswith("/")
+
+
 @dataclass
 class Provenance:
     """What every export records (`headway.json`) and what the reader rebuilds the head from."""
@@ -45,12 +66,11 @@ class Provenance:
     options: dict
     target: dict  # TargetSpec.to_dict() of the target the head was trained for
     target_shape: dict
-    base_model: str | None  # Hub id of the target for serving commands and the card
+    base_model: str | None  # the target for serving commands: Hub id or absolute local path (target_reference)
     num_speculative_tokens: int  # default draft length in the serving commands
     headway_version: str = field(default_factory=headway_version)
     source_sha256: str | None = None  # of the final/ weights the export came from
     training: dict = field(default_factory=dict)  # the run's recorded training info, if any
-    layout_options: dict = field(default_factory=dict)  # per-layout switches (e.g. eagle: fc_bias)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -11,13 +11,13 @@ eagle (primary for eagle; EAGLE-1/2: vLLM `EagleLlamaForCausalLM`, SGLang `Llama
                  rope, vocab_size V, tie_word_embeddings false), architectures
                  [LlamaForCausalLMEagle, EagleLlamaForCausalLM]: SGLang resolves the first; vLLM prefixes
                  "Eagle" to each name and resolves the first it knows.
-    model.safetensors  fc.weight [h, 2h] (input cat(embed(x_t+1), f_t), no bias), layers.0.self_attn.
+    model.safetensors  fc.weight [h, 2h] (input cat(embed(x_t+1), f_t)), fc.bias [h] (zero), layers.0.self_attn.
                  {q,k,v,o}_proj.weight, layers.0.post_attention_layernorm.weight, layers.0.mlp.{gate,up,down}
                  _proj.weight; no input_layernorm, no final norm, no embed_tokens / lm_head (the target's are
                  shared). f = the target's final-normed last hidden state; the draft feature is the layer's
                  output (residual stream), read by the target's LM head.
-    SGLang builds fc *with* a bias and keeps its init when the file has none: `eagle_fc_bias=true` adds a
-    zero fc.bias (vLLM skips names it does not have).
+    SGLang builds fc *with* a bias and silently keeps its random init when the file has none, so the zero
+    fc.bias is always written (vLLM builds fc without one and ignores it).
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ def names(head) -> dict[str, str]:
 
 
 def zero_fc_bias(head, prov) -> dict:
-    """SGLang builds `fc` with a bias and keeps its random init when the checkpoint has none."""
-    if not prov.layout_options.get("fc_bias"):
-        return {}
+    """SGLang's LlamaForCausalLMEagle builds `fc` with a bias and silently keeps its random init when the
+    checkpoint has none; vLLM builds it without one and skips the name. A zero bias is right for both."""
     return {"fc.bias": torch.zeros(head.fc.weight.shape[0], dtype=head.fc.weight.dtype)}
 
 
@@ -68,9 +67,9 @@ def eagle_serve_commands(where: str, prov, method: str, algorithm: str) -> list[
 register_layout(Layout(
     name="eagle", head_kind="eagle", primary=True, weights_file="model.safetensors",
     tensor_names=names, configs=config, serve=serve, library_name="vllm", extra_tensors=zero_fc_bias,
-    description="EAGLE-1 layout: `fc.weight` [h, 2h] over `cat(embed(x_t+1), f_t)` (no bias), one Llama "
+    description="EAGLE-1 layout: `fc.weight` [h, 2h] over `cat(embed(x_t+1), f_t)` and a zero `fc.bias`, one Llama "
                 "decoder layer `layers.0.*` without `input_layernorm`, no final norm and no LM head (the "
                 "target's embedding and LM head are shared); `config.json` is a one-layer Llama config with "
                 "architectures `LlamaForCausalLMEagle` (SGLang) and `EagleLlamaForCausalLM` (vLLM).",
-    notes=("SGLang's `LlamaForCausalLMEagle` builds `fc` with a bias; this export has none unless it was made "
-           "with `eagle_fc_bias=true` (a zero `fc.bias`, which vLLM ignores). Use that export for SGLang.",)))
+    notes=("The zero `fc.bias` is there for SGLang, whose `LlamaForCausalLMEagle` builds `fc` with a bias and "
+           "would otherwise keep a random one; vLLM ignores it.",)))

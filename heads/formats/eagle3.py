@@ -14,7 +14,16 @@ Both engines capture in ascending layer order, once per id, neither can capture 
 (a = 0) or the final-normed state (a = N), and vLLM's `fc` reads exactly 3 hidden states. So the export writes both keys, each in its engine's convention
 (vLLM's top-level key wins in vLLM, SGLang only reads eagle_config), and refuses aux layers outside
 [1, N-1], repeated or out of ascending order. `norm_before_residual: false`: the fused feature, not its norm,
-is the residual (EAGLE-3's code; the speculators default is true, so it is always written).
+is the residual (EAGLE-3's code; written explicitly, although it is also the default of vLLM and of speculators
+0.9.0). `norm_output` is deliberately not written: the key means opposite things to the peers (vLLM: feed the
+*normed* output to the next step, default false; SpecForge: apply `norm` before `lm_head`, default true), and
+each one's default is EAGLE-3's computation.
+
+Peers' extra expectations: SpecForge's warm start requires `embed_tokens.weight` in the draft and speculators
+reads it from there first, so both layouts carry a copy of the target's input embedding (V x h more on disk). With the full vocabulary both
+layouts leave d2t/t2d out: vLLM has no parameter for d2t then (it refuses the draft) and speculators builds no
+such buffers (unexpected keys); SGLang needs none. SpecForge's draft always has them, so its warm start of a
+full-vocabulary export reports them missing: serving comes first.
 
 Files (h = hidden size, V = target vocab, Vd = draft vocab, K = heads or modules, L = residual layers per
 Medusa head, N = target layers):
@@ -27,7 +36,9 @@ eagle3 (primary for eagle3; official EAGLE-3 layout, vLLM and SGLang `LlamaForCa
     model.safetensors  fc.weight [h, 3h], midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}
                  .weight [h], midlayer.self_attn.{q,k,v}_proj.weight [*, 2h], midlayer.self_attn.o_proj.weight,
                  midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight [Vd, h], d2t int64 [Vd]
-                 (target id = draft id + d2t[draft id]), t2d bool [V]; no embed_tokens.
+                 (target id = draft id + d2t[draft id]) and t2d bool [V] only when Vd < V (vLLM refuses d2t
+                 with the full vocabulary), embed_tokens.weight [V, h] (a copy of the target's: SpecForge's
+                 warm start requires it, speculators reads it; vLLM and SGLang use the target's values).
     Aux-layer ids: the head fuses hidden_states[a] (input of decoder layer a). vLLM's id i captures the input
     of layer i (id = a), SGLang's id j captures the output of layer j (id = a - 1; SpecForge's default
     [1, N//2-1, N-4] is EAGLE-3's [2, N//2, N-3]). vLLM reads the top-level key first and SGLang only
@@ -36,19 +47,25 @@ eagle3 (primary for eagle3; official EAGLE-3 layout, vLLM and SGLang `LlamaForCa
 eagle3-speculators (vLLM `Eagle3Speculator`: `vllm serve DIR` with no flags)
     config.json  {architectures: [Eagle3Speculator], speculators_model_type: eagle3, transformer_layer_config
                  (the one-layer Llama config), draft_vocab_size, target_hidden_size, norm_before_residual
-                 false (the speculators default is true), eagle_aux_hidden_state_layer_ids (vLLM ids),
+                 false (written explicitly; speculators 0.9.0's default is also false),
+                 eagle_aux_hidden_state_layer_ids (vLLM ids),
                  speculators_config {algorithm eagle3, proposal_methods [{proposal_type greedy,
-                 speculative_tokens K, ...}], default_proposal_method, verifier {name_or_path, architectures}}}
+                 speculative_tokens K, ...}], default_proposal_method, verifier {name_or_path: a Hub id or
+                 an absolute path, which vLLM and speculators load the target from; refused without one}}}
     model.safetensors  as eagle3 with `midlayer.` renamed `layers.0.`.
 """
 
 from __future__ import annotations
+
+import torch
 
 from heads.formats import Layout, Serve, register_layout
 from heads.formats.common import ExportError, llama_layer_fields, refuse_attention_bias
 from heads.formats.eagle import eagle_serve_commands
 
 SPEC_PREFIX = "layers.0."
+VOCAB_MAPS = ("d2t", "t2d")
+EMBEDDING = "embed_tokens.weight"
 
 
 def engine_aux_ids(head) -> tuple[list[int], list[int]]:
@@ -61,12 +78,39 @@ def engine_aux_ids(head) -> tuple[list[int], list[int]]:
     return aux, [a - 1 for a in aux]
 
 
+def full_vocab(head) -> bool:
+    """The draft vocabulary is the whole target vocabulary: d2t is all zeros and t2d all true."""
+    return head.draft_vocab_size == head.target_config.vocab_size
+
+
 def official_names(head) -> dict[str, str]:
-    return {key: key for key in head.state_dict()}
+    return {key: key for key in head.state_dict() if key not in dropped_vocab_maps(head)}
 
 
 def speculators_names(head) -> dict[str, str]:
-    return {key.replace("midlayer.", SPEC_PREFIX, 1): key for key in head.state_dict()}
+    return {key.replace("midlayer.", SPEC_PREFIX, 1): key for key in head.state_dict()
+            if key not in dropped_vocab_maps(head)}
+
+
+def dropped_vocab_maps(head) -> list[str]:
+    """d2t/t2d are left out with the full vocabulary: vLLM then has no parameter for d2t and refuses the
+    draft, and speculators builds no such buffers (they would be unexpected keys)."""
+    return list(VOCAB_MAPS) if full_vocab(head) else []
+
+
+def identity_vocab_maps(head, found) -> dict:
+    """d2t/t2d of a full draft vocabulary, which the layouts leave out."""
+    if not full_vocab(head):
+        return {}
+    return {"d2t": torch.zeros_like(head.d2t), "t2d": torch.ones_like(head.t2d)}
+
+
+def target_embedding(head, prov) -> dict:
+    """A copy of the target's input embedding. SpecForge's warm start refuses a draft without it; speculators
+    builds `embed_tokens` as NaN and fills it from here (else from the verifier's weights); vLLM shares the
+    target's when the copy is identical; SGLang replaces it with the target's."""
+    weight = head.frozen["embed_tokens"].weight.detach()
+    return {EMBEDDING: weight.to(head.fc.weight.dtype).contiguous().cpu()}
 
 
 def eagle3_fields(head) -> dict:
@@ -94,7 +138,16 @@ def speculators_config(head, prov) -> dict:
             "algorithm": "eagle3", "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": prov.num_speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": prov.target_name, "architectures": target_arch}}}}
+            "verifier": {"name_or_path": verifier_reference(prov), "architectures": target_arch}}}}
+
+
+def verifier_reference(prov) -> str:
+    """speculators and `vllm serve DIR` load the verifier from this: a Hub id or an absolute local path."""
+    if not prov.base_model:
+        raise ExportError(f"format=eagle3-speculators names the verifier that `vllm serve` and speculators load, "
+                          f"but target {prov.target_name!r} is neither a Hub id nor a local transformers folder: "
+                          f"pass base_model=<Hub id, or the folder of the target saved with save_pretrained>")
+    return prov.base_model
 
 
 def causal_lm_class(config) -> str:
@@ -116,18 +169,23 @@ def speculators_serve(where: str, prov) -> list[Serve]:
 DESCRIPTION = ("`fc.weight` [h, 3h] over the concatenated aux hidden states, one decoder layer whose q/k/v read "
                "`cat(input_layernorm(embed), hidden_norm(fused))` [2h] with the fused feature as residual, "
                "`norm.weight`, `lm_head.weight` [Vd, h] over the draft vocabulary, `d2t` (int64 [Vd], target id = "
-               "draft id + d2t[draft id]) and `t2d` (bool [V]); no `embed_tokens` (the target's is shared). "
+               "draft id + d2t[draft id]) and `t2d` (bool [V]) when the draft vocabulary is reduced (with the full "
+               "vocabulary they are left out: vLLM refuses them there), `embed_tokens.weight` [V, h], a copy of the "
+               "target's input embedding (speculators and SpecForge's warm start need it; vLLM and SGLang read "
+               "the same values). "
                "`eagle_aux_hidden_state_layer_ids` (top level) counts layer inputs as vLLM does; "
                "`eagle_config.eagle_aux_hidden_state_layer_ids` counts layer outputs (= vLLM id - 1) as SGLang does.")
 
 register_layout(Layout(
     name="eagle3", head_kind="eagle3", primary=True, weights_file="model.safetensors",
     tensor_names=official_names, configs=official_config, serve=official_serve, library_name="vllm",
+    extra_tensors=target_embedding, derived=dropped_vocab_maps, restore=identity_vocab_maps,
     description="Official EAGLE-3 layout (`LlamaForCausalLMEagle3`, loaded by vLLM and SGLang): decoder layer "
                 "`midlayer.*`; " + DESCRIPTION))
 
 register_layout(Layout(
     name="eagle3-speculators", head_kind="eagle3", primary=False, weights_file="model.safetensors",
     tensor_names=speculators_names, configs=speculators_config, serve=speculators_serve, library_name="vllm",
+    extra_tensors=target_embedding, derived=dropped_vocab_maps, restore=identity_vocab_maps,
     description="vLLM speculators layout (`Eagle3Speculator`; `vllm serve <this>` starts the verifier named in "
                 "`speculators_config` with this drafter): decoder layer `layers.0.*`; " + DESCRIPTION))

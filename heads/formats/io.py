@@ -13,7 +13,8 @@ from heads.base import HEAD_REGISTRY, WEIGHTS_NAME, DraftHead, _import_builtin_h
 from heads.formats import Layout, layout_for
 from heads.files import file_sha256
 from heads.formats.common import (PROVENANCE_FILE, ExportError, Provenance, check_output, check_tensors,
-                                  load_tensors, rename, require_zero, save_tensors, target_hub_id, write_atomically)
+                                  load_tensors, rename, require_zero, save_tensors, target_reference,
+                                  write_atomically)
 
 TRAINING_KEYS = ("training", "train", "recipe")  # where a run's final/config.json may record how it was trained
 
@@ -38,17 +39,16 @@ def expected_tensors(layout: Layout, head: DraftHead, prov: Provenance) -> dict:
 
 
 def provenance_for(head: DraftHead, layout: Layout, final_dir: Path, base_model: str | None = None,
-                   num_speculative_tokens: int | None = None, layout_options: dict | None = None) -> Provenance:
+                   num_speculative_tokens: int | None = None) -> Provenance:
     config = read_head_config(final_dir)
     training = next((config[k] for k in TRAINING_KEYS if isinstance(config.get(k), dict)), {})
     depth = head.max_draft_depth or 5
     return Provenance(
         format=layout.name, head_kind=head.kind, options=dict(head.options), target=config.get("target") or {},
         target_shape=config.get("target_shape", {}),
-        base_model=base_model or target_hub_id(config.get("target") or {}),
+        base_model=target_reference(config.get("target") or {}, base_model),
         num_speculative_tokens=int(num_speculative_tokens or depth),
-        source_sha256=file_sha256(Path(final_dir) / WEIGHTS_NAME), training=training,
-        layout_options=dict(layout_options or {}))
+        source_sha256=file_sha256(Path(final_dir) / WEIGHTS_NAME), training=training)
 
 
 def write_layout(head: DraftHead, layout: Layout, prov: Provenance, folder: Path) -> None:
@@ -63,8 +63,7 @@ def write_layout(head: DraftHead, layout: Layout, prov: Provenance, folder: Path
 
 def export_head(final_dir, output, fmt: str = "auto", overwrite: bool = False, eval_path=None,
                 base_model: str | None = None, num_speculative_tokens: int | None = None,
-                license: str | None = "apache-2.0", where: str | None = None, layout_options: dict | None = None,
-                target=None) -> Path:
+                license: str | None = "apache-2.0", where: str | None = None, target=None) -> Path:
     """Export the head in `final_dir` to `output` (atomically) with a model card; returns `output`.
     `where` is what the card's serving commands load (the Hub repo id when pushing; default: `output`)."""
     from heads.formats.card import find_eval, model_card
@@ -74,7 +73,7 @@ def export_head(final_dir, output, fmt: str = "auto", overwrite: bool = False, e
     kind = read_head_config(final_dir)["head_kind"]
     layout = layout_for(kind, fmt)
     head = load_head(final_dir, target=target)
-    prov = provenance_for(head, layout, final_dir, base_model, num_speculative_tokens, layout_options)
+    prov = provenance_for(head, layout, final_dir, base_model, num_speculative_tokens)
     evaluation = find_eval(final_dir, eval_path)
 
     def fill(folder: Path) -> None:

@@ -45,11 +45,12 @@ EXPECTED = {
     "medusa-original": {**{f"{i}.{j}.linear.{p}": [H, H] if p == "weight" else [H]
                            for i in range(2) for j in range(2) for p in ("weight", "bias")},
                         "0.2.weight": [V, H], "1.2.weight": [V, H]},
-    "eagle": {"fc.weight": [H, 2 * H], **{f"layers.0.{k}": s for k, s in LAYER.items()}},
+    "eagle": {"fc.weight": [H, 2 * H], "fc.bias": [H], **{f"layers.0.{k}": s for k, s in LAYER.items()}},
     "eagle3": {"fc.weight": [H, 3 * H], "norm.weight": [H], "lm_head.weight": [VD, H], "d2t": [VD], "t2d": [V],
-               **{f"midlayer.{k}": s for k, s in EAGLE3_LAYER.items()}},
+               "embed_tokens.weight": [V, H], **{f"midlayer.{k}": s for k, s in EAGLE3_LAYER.items()}},
     "eagle3-speculators": {"fc.weight": [H, 3 * H], "norm.weight": [H], "lm_head.weight": [VD, H], "d2t": [VD],
-                           "t2d": [V], **{f"layers.0.{k}": s for k, s in EAGLE3_LAYER.items()}},
+                           "t2d": [V], "embed_tokens.weight": [V, H],
+                           **{f"layers.0.{k}": s for k, s in EAGLE3_LAYER.items()}},
     "mtp": {f"model.layers.{4 + k}.{name}": shape for k in range(2) for name, shape in {
         "enorm.weight": [H], "hnorm.weight": [H], "eh_proj.weight": [H, 2 * H], "shared_head.norm.weight": [H],
         "shared_head.head.weight": [V, H], "input_layernorm.weight": [H], **LAYER}.items()},
@@ -107,7 +108,8 @@ def prompt_ids(target):
 def test_layout_keys_reload_and_card(fmt, target, finals, tmp_path):
     kind = LAYOUTS[fmt].head_kind
     final, head = finals[kind]
-    out = export_head(final, tmp_path / fmt, fmt, target=target)
+    base_model = "org/target" if fmt == "eagle3-speculators" else None  # tiny-random is built in code
+    out = export_head(final, tmp_path / fmt, fmt, target=target, base_model=base_model)
     files = FILES.get(fmt, ["config.json", "model.safetensors"])
     assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", "headway.json", *files])
     tensors = load_file(str(out / LAYOUTS[fmt].weights_file))
@@ -249,7 +251,7 @@ def eagle3_engine_logits(out, weights, prefix, target, ids, aux):
     T = ids.shape[1]
     hs = target.model(ids, output_hidden_states=True).hidden_states
     g = torch.cat([hs[a][:, :-1] for a in aux], -1) @ weights["fc.weight"].T
-    emb = target.model.get_input_embeddings()(ids[:, 1:])
+    emb = torch.nn.functional.embedding(ids[:, 1:], weights["embed_tokens.weight"])  # the export's own copy
     x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(g)], -1)
     rope = target.model.model.rotary_emb(x, torch.arange(T - 1)[None])
     mask = torch.full((T - 1, T - 1), float("-inf")).triu(1)[None, None]
@@ -317,12 +319,65 @@ def test_attention_biases_the_engines_drop_are_refused(tmp_path):
 
 
 def test_eagle_zero_fc_bias_for_sglang(target, finals, tmp_path):
+    """SGLang's LlamaForCausalLMEagle builds fc with a bias and keeps a random one unless the file has it."""
     final, head = finals["eagle"]
-    out = export_head(final, tmp_path / "e", "eagle", target=target, layout_options={"fc_bias": True})
+    out = export_head(final, tmp_path / "e", "eagle", target=target)
     w = load_file(str(out / "model.safetensors"))
-    assert set(w) == set(EXPECTED["eagle"]) | {"fc.bias"} and not w["fc.bias"].any()
+    assert "fc.bias" in w and w["fc.bias"].shape == (H,) and not w["fc.bias"].any()
     back = load_export(out, target=target)
     assert all(torch.equal(back.state_dict()[k], v) for k, v in head.state_dict().items())
+
+
+def test_eagle3_exports_carry_the_target_embedding(target, finals, tmp_path):
+    """speculators (NaN-initialised embed_tokens) and SpecForge's warm start read embed_tokens.weight."""
+    final, _ = finals["eagle3"]
+    for fmt in ("eagle3", "eagle3-speculators"):
+        out = export_head(final, tmp_path / fmt, fmt, target=target, base_model="org/target")
+        w = load_file(str(out / "model.safetensors"))
+        assert torch.equal(w["embed_tokens.weight"], target.model.get_input_embeddings().weight)
+
+
+def test_eagle3_full_vocabulary_has_no_vocab_maps(target, tmp_path):
+    """With Vd = V vLLM has no parameter for d2t (it refuses the draft) and speculators builds no d2t/t2d
+    buffers (unexpected keys): both layouts leave them out and read them back as the identity."""
+    torch.manual_seed(0)
+    head = build_head("eagle3", target, aux_layers=[1, 2, 3], draft_vocab_size=V)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+    save_head(head, tmp_path / "final")
+    for fmt in ("eagle3", "eagle3-speculators"):
+        out = export_head(tmp_path / "final", tmp_path / fmt, fmt, target=target, base_model="org/target")
+        assert not {"d2t", "t2d"} & set(load_file(str(out / "model.safetensors")))
+        back = load_export(out, target=target)
+        for name, value in head.state_dict().items():
+            assert torch.equal(back.state_dict()[name], value), name
+
+
+def test_speculators_verifier_is_a_loadable_reference(target, finals, tmp_path, monkeypatch):
+    """speculators and `vllm serve DIR` load the verifier named in the config: a Hub id or an absolute path,
+    never a short local name; a target built in code needs base_model=."""
+    final, _ = finals["eagle3"]
+    with pytest.raises(ExportError, match="format=eagle3-speculators .* pass base_model="):
+        export_head(final, tmp_path / "refused", "eagle3-speculators", target=target)
+    assert not (tmp_path / "refused").exists()
+
+    folder = tmp_path / "models" / "my-target"  # the target saved as a transformers folder, named relatively
+    target.model.save_pretrained(folder)
+    target.tokenizer.save_pretrained(folder)
+    local = load_target({"path": str(folder), "name": "my-target"})
+    torch.manual_seed(0)
+    save_head(build_head("eagle3", local, **HEADS["eagle3"]), tmp_path / "local-final")
+    monkeypatch.chdir(tmp_path)
+    relative = dict(json.loads((tmp_path / "local-final" / "config.json").read_text()),
+                    target={"path": "models/my-target", "name": "my-target"})
+    (tmp_path / "local-final" / "config.json").write_text(json.dumps(relative))
+    for base_model in (None, "models/my-target"):
+        out = export_head(tmp_path / "local-final", tmp_path / "spec", "eagle3-speculators", target=local,
+                          base_model=base_model, overwrite=True)
+        verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]
+        assert verifier["name_or_path"] == str(folder.resolve())
+        assert "base_model" not in ModelCard.load(out / "README.md").data.to_dict()  # a path is no Hub id
 
 
 # ------------------------------------------------------------------------------------- model card
