@@ -51,6 +51,11 @@ def verify_tree(
     drawn from the last node's residual (the bonus token after a full path), padded with -1.
     path[b, :num_tokens[b]] are the accepted node indices starting with the root 0, so tokens[b, k]
     was drawn from target_probs[b, path[b, k]]; padded with -1. num_tokens >= 1.
+
+    Invalid input raises one ValueError naming the problem: shapes, an empty batch, non-integer tokens
+    or parents, token ids outside [0, V) (other than -1), draft and target vocabularies that differ,
+    and probabilities the rule reads that are NaN, infinite or negative (or, for a sampled child, a
+    draft probability of 0: it cannot have been drawn). Greedy refuses a NaN row (it has no argmax).
     """
     tree = _Tree(draft_tokens, parents)
     _check_probs(tree, target_probs, "target_probs")
@@ -60,6 +65,9 @@ def verify_tree(
         rule = _DeterministicChildren(tree, target_probs, generator)
     else:
         _check_probs(tree, draft_probs, "draft_probs")
+        if draft_probs.shape != target_probs.shape:
+            raise ValueError(f"draft_probs {tuple(draft_probs.shape)} and target_probs {tuple(target_probs.shape)} "
+                             f"must have the same shape: draft and target must share one vocabulary")
         rule = _SampledChildren(tree, target_probs, draft_probs, generator)
     return _walk(tree, rule)
 
@@ -71,6 +79,10 @@ class _Tree:
         if tokens.dim() != 2:
             raise ValueError(f"draft_tokens must be [B, N], got shape {tuple(tokens.shape)}")
         B, N = tokens.shape
+        if B == 0 or N == 0:
+            raise ValueError(f"draft_tokens is empty ({B} rows of {N} nodes): pass at least one row with its root")
+        _require_integers(tokens, "draft_tokens")
+        _require_integers(parents, "parents")
         if parents.shape not in ((N,), (B, N)):
             raise ValueError(f"parents must be [N] or [B, N] = [{B}, {N}], got {tuple(parents.shape)}")
         parents = parents.to(device=tokens.device, dtype=torch.long).expand(B, N)
@@ -111,10 +123,48 @@ def _depths(parents: torch.Tensor) -> torch.Tensor:
     return depth
 
 
+# ------------------------------------------------------------------------------- input checks
+# Cheap by design: shapes, dtypes and token ids are O(B * N); probability values are checked only
+# where a rule reads them (a node's children: O(B * N); the rows the walk stops at: O(B * V)),
+# never over the whole [B, N, V] tensor.
+
+def _require_integers(x: torch.Tensor, name: str) -> None:
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers (a long tensor), got {x.dtype}")
+
+
 def _check_probs(tree: _Tree, probs: torch.Tensor, name: str) -> None:
     if probs.dim() != 3 or probs.shape[:2] != (tree.batch, tree.nodes):
         raise ValueError(f"{name} must be [B, N, V] with B, N = {tree.batch}, {tree.nodes}, "
                          f"got {tuple(probs.shape)}")
+    if not probs.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {probs.dtype}")
+    low, high = tree.tokens.aminmax()
+    if int(low) < -1 or int(high) >= probs.shape[-1]:
+        raise ValueError(f"draft_tokens must be token ids in [0, V) = [0, {probs.shape[-1]}) or -1 (padding), "
+                         f"found {int(low) if int(low) < -1 else int(high)}")
+
+
+def _check_at_children(tree: _Tree, values: torch.Tensor, name: str, positive: bool = False) -> None:
+    """values [B, N] float64 = probs[b, parent(j), token(j)]: finite and >= 0 (> 0) at every real child."""
+    ok = torch.isfinite(values) & ((values > 0) if positive else (values >= 0))
+    bad = tree.real & ~ok
+    bad[:, 0] = False  # the root is no child
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        wanted = "finite and > 0 (a child is drawn from it)" if positive else "finite and >= 0"
+        raise ValueError(f"{name} at the token of node {j} (row {b}) is {float(values[b, j])}: probabilities "
+                         f"must be {wanted}; pass warp_probs of finite logits")
+
+
+def _check_rows(rows: torch.Tensor, name: str) -> None:
+    """rows [R, V]: every entry finite and >= 0 (one min/max pass; NaN propagates through both)."""
+    if rows.numel() == 0:
+        return
+    low, high = rows.aminmax()
+    if not (bool(low >= 0) and bool(torch.isfinite(high))):
+        raise ValueError(f"{name} holds {'NaN' if bool(torch.isnan(high)) else 'negative or infinite'} "
+                         f"probabilities in a row the verifier samples from: pass warp_probs of finite logits")
 
 
 def _walk(tree: _Tree, rule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,7 +197,9 @@ class _DeterministicChildren:
         same_token = tree.tokens[:, :, None] == tree.tokens[:, None, :]  # [B, N, N]
         siblings = tree.parents[:, :, None] == tree.parents[:, None, :]
         repeated = (same_token & siblings).tril(-1).any(-1)  # [B, N] an earlier sibling has my token
-        self.kid_prob = tree.prob_under_parent(target_probs).masked_fill(repeated, 0.0)  # [B, N] float64
+        p_kid = tree.prob_under_parent(target_probs)  # [B, N] float64
+        _check_at_children(tree, p_kid, "target_probs")
+        self.kid_prob = p_kid.masked_fill(repeated, 0.0)
 
     def pick(self, cur: torch.Tensor, kids: torch.Tensor) -> torch.Tensor:
         # inverse CDF of y ~ p with the children laid out first: y is child j with prob. p[c_j],
@@ -161,7 +213,9 @@ class _DeterministicChildren:
         # no child was y: y ~ p restricted to the non-children
         kid_mass = torch.where(self.tree.children_of(cur), self.kid_prob, 0.0).to(self.p.dtype)  # [B, N]
         token = self.tree.tokens.clamp(min=0)
-        rest = self.tree.at(self.p, cur).scatter_add_(1, token, -kid_mass)  # [B, V]; p[c] - p[c] = 0
+        rest = self.tree.at(self.p, cur)  # [B, V]
+        _check_rows(rest, "target_probs")
+        rest.scatter_add_(1, token, -kid_mass)  # p[c] - p[c] = 0
         # children holding all of p leave "no child" to rounding error; y ~ p is exact there too
         no_rest = rest.sum(-1, keepdim=True) == 0
         rest.scatter_add_(1, token, kid_mass * no_rest)
@@ -181,6 +235,8 @@ class _SampledChildren:
         self.tree, self.p, self.q, self.generator = tree, target_probs, draft_probs, generator
         self.p_kid = tree.prob_under_parent(target_probs)  # [B, N] float64
         self.q_kid = tree.prob_under_parent(draft_probs)
+        _check_at_children(tree, self.p_kid, "target_probs")
+        _check_at_children(tree, self.q_kid, "draft_probs", positive=True)
         self.a = torch.zeros(tree.batch, dtype=torch.float64, device=target_probs.device)  # at the stop
 
     def pick(self, cur: torch.Tensor, kids: torch.Tensor) -> torch.Tensor:
@@ -222,10 +278,13 @@ class _SampledChildren:
     def _residual(self, nodes, rows, a):
         """(p - a q)+ [R, V] at the rows' nodes, unnormalised; in place on the gathered copies."""
         p, q = self.tree.at(self.p, nodes, rows), self.tree.at(self.q, nodes, rows)
+        _check_rows(p, "target_probs")
+        _check_rows(q, "draft_probs")
         return p.sub_(q.mul_(a[:, None].to(q.dtype))).clamp_(min=0)
 
     def final(self, cur: torch.Tensor) -> torch.Tensor:
         residual = self.tree.at(self.p, cur)  # [B, V] residual p (a = 0) unless a sibling was rejected
+        _check_rows(residual, "target_probs")
         rows = (self.a > 0).nonzero().squeeze(1)
         residual[rows] = self._residual(cur[rows], rows, self.a[rows])
         return sample(residual, self.generator)
@@ -252,4 +311,9 @@ class _Greedy:
     def _argmax_at(self, cur: torch.Tensor, need: torch.Tensor) -> None:
         rows = need.nonzero().squeeze(1)
         if rows.numel():
-            self.best[rows] = argmax(self.tree.at(self.p, cur[rows], rows))  # ties: lowest index
+            scores = self.tree.at(self.p, cur[rows], rows)  # [R, V]
+            best = argmax(scores)  # ties: lowest index; a NaN wins, so one gather finds any NaN in the row
+            if bool(torch.isnan(scores.gather(1, best[:, None])).any()):
+                raise ValueError("target_probs holds NaN in a row greedy verification reads: there is no argmax; "
+                                 "pass finite logits or probabilities")
+            self.best[rows] = best
