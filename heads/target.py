@@ -54,6 +54,17 @@ class TargetSpec:
         return dataclasses.asdict(self)
 
 
+def recorded_spec(recorded: dict | TargetSpec, trust_remote_code: bool = False) -> TargetSpec:
+    """The target a file names (a head's config.json, an export's headway.json, a cache index), with its
+    `trust_remote_code` replaced by the caller's: only the user's own command line or config for this run
+    may let transformers import Python from a target folder, never a file that came with a checkpoint."""
+    spec = TargetSpec.from_dict(recorded.to_dict() if isinstance(recorded, TargetSpec) else recorded)
+    if spec.trust_remote_code and not trust_remote_code:
+        log.warning("the recorded target %r asks for trust_remote_code; ignored (files that come with a head never "
+                    "decide it): pass trust_remote_code=true yourself if you trust %s", spec.name, spec.path)
+    return dataclasses.replace(spec, trust_remote_code=bool(trust_remote_code))
+
+
 @dataclass
 class Target:
     """A loaded frozen target: the HF model, its tokenizer and the spec it was built from."""

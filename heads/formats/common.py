@@ -159,7 +159,55 @@ def rope_fields(cfg) -> dict:
     return out
 
 
+def require_finite(state: dict[str, Tensor], where) -> None:
+    """A head with NaN or infinite weights (a diverged run, a corrupted file) must not be shipped."""
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise ExportError(f"{where} holds NaN or infinite weights ({', '.join(bad[:3])}): the run diverged or the "
+                          f"file is corrupted; export another checkpoint (e.g. checkpoints/best/) or retrain")
+
+
 # ----------------------------------------------------------------------------------- atomic output
+
+RUN_MARKERS = ("metrics.jsonl", ".hydra", "checkpoints")  # what makes a folder a training run's directory
+
+
+def run_dir_of(head_dir: Path) -> Path | None:
+    """The run directory a head folder belongs to (RUN for RUN/final and RUN/checkpoints/best), if any."""
+    for folder in (head_dir.parent, head_dir.parent.parent):
+        if any((folder / marker).exists() for marker in RUN_MARKERS):
+            return folder
+    return None
+
+
+def check_output_apart(output: Path, source: Path) -> None:
+    """Refuse an output that is, contains or lies inside the head folder or its run directory: replacing it
+    (overwrite=true) would destroy the head, its checkpoints and metrics."""
+    out, src = Path(output).resolve(), Path(source).resolve()
+    for protected, what in ((src, "the checkpoint folder"), (run_dir_of(src), "the checkpoint's run directory")):
+        if protected is None:
+            continue
+        how = "is" if out == protected else "contains" if protected.is_relative_to(out) else \
+            "lies inside" if out.is_relative_to(protected) else None
+        if how:
+            raise ExportError(f"output={output} {how} {what} {protected}: an export never writes over its source "
+                              f"(whatever overwrite says); pass an output= outside {protected}")
+
+
+def check_writable(folder: Path, key: str = "output") -> None:
+    """Create `folder`'s parent if needed and write a probe file there: a read-only or full disk fails now,
+    with one line, instead of after the slow part."""
+    parent = Path(folder).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{Path(folder).name}.probe-") as probe:
+            probe.write(b"headway")
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as exc:
+        raise ExportError(f"cannot write {key}={folder}: {exc.strerror or exc} ({exc.filename or parent}); "
+                          f"choose a writable {key}= on a disk with free space") from None
+
 
 def check_output(output: Path, overwrite: bool) -> None:
     if output.exists() and not output.is_dir():
@@ -172,8 +220,11 @@ def write_atomically(output: Path, fill: Callable[[Path], None], overwrite: bool
     """Build the export in a temp folder next to `output`, then swap it in: a failure leaves `output` as it was."""
     output = Path(output)
     check_output(output, overwrite)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    except OSError as exc:
+        raise ExportError(f"cannot write output={output}: {exc.strerror or exc}; choose a writable output=") from None
     try:
         fill(tmp)
         if output.exists():
@@ -183,6 +234,9 @@ def write_atomically(output: Path, fill: Callable[[Path], None], overwrite: bool
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, output)
+    except OSError as exc:  # a full disk midway: the temp folder goes, `output` stays as it was
+        raise ExportError(f"cannot write output={output}: {exc.strerror or exc} ({exc.filename or output}); "
+                          f"free some space or choose another output=") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return output
