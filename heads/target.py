@@ -214,6 +214,30 @@ def _load_pretrained(spec: TargetSpec, dtype: torch.dtype):
     return model, tokenizer
 
 
+def target_identity(target: Target) -> dict:
+    """What makes two loaded targets the same for training: name, revision, architecture and a fingerprint of
+    the weights (a different seed or fine-tune under the same name differs there)."""
+    cfg = target.config
+    arch = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
+                                                "num_hidden_layers", "num_attention_heads", "vocab_size")}
+    return {"name": target.spec.name, "revision": target.spec.revision, "architecture": arch,
+            "weights": weights_fingerprint(target.model)}
+
+
+def weights_fingerprint(model: nn.Module, per_tensor: int = 4096) -> str:
+    """sha256 of every tensor's name, shape and an evenly strided sample of its values, rounded to bf16 so the
+    same weights loaded in fp32 or bf16 (CPU or GPU) agree; milliseconds even for an 8B target."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // per_tensor)][:per_tensor]
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def target_parts(model: nn.Module) -> dict[str, nn.Module]:
     """The frozen pieces of a target that heads reuse: embedding, final norm, LM head, rotary, layer class.
 

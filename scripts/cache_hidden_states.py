@@ -26,6 +26,7 @@ if str(ROOT) not in sys.path:
 from heads.base import HeadError  # noqa: E402
 from heads.target import TargetError  # noqa: E402
 from train.data.config import DataError  # noqa: E402
+from train.config import ConfigError  # noqa: E402
 
 
 def parse_args(argv):
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
 
     from heads.target import load_target, resolve_dtype
     from train.data import build_datasets
+    from train.config import check_fits_context
     from train.data.hidden_cache import HiddenStateCache, build_cache
 
     cfg = compose(overrides)
@@ -92,6 +94,7 @@ def main(argv=None) -> int:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else \
         ("cpu" if args.device == "auto" else args.device)
     target = load_target(OmegaConf.to_container(cfg.target, resolve=True), device=device)
+    check_fits_context(cfg.train.max_length, target.config)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else head_layers(cfg, target)
     data_cfg = dict(OmegaConf.to_container(cfg.data, resolve=True), hidden_states="online")  # the cache is built from the online target
     datasets = build_datasets(data_cfg, target.tokenizer, cfg.train.max_length, cfg.train.seed)
@@ -115,6 +118,6 @@ if __name__ == "__main__":
 
     try:
         sys.exit(main())
-    except (DataError, TargetError, HeadError, HydraException, OmegaConfBaseException) as exc:
+    except (DataError, TargetError, HeadError, ConfigError, HydraException, OmegaConfBaseException) as exc:
         print(f"error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
         sys.exit(2)

@@ -1,8 +1,10 @@
 """Train a draft head:  accelerate launch train/main.py head=eagle   (or: python train/main.py head=eagle)
 
 A thin Hydra entry point: compose conf/train.yaml with the command-line overrides, then `train(cfg)`.
-Bad input (an unknown head or target, a misspelled key, lr=0, a missing target path, an empty dataset)
-ends with one line on stderr naming the problem and exit code 2, before anything is written.
+Bad input (an unknown head or target, a misspelled key, lr=0 or inf, a missing target path, an empty or
+unreadable dataset, a run dir that cannot be written) ends with one line on stderr naming the problem and
+exit code 2, before anything is written; so does a NaN loss or gradient (nothing is saved after it) and a
+disk that fills up mid-run (checkpoints are written whole or not at all: continue with resume=latest).
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ def main(cfg: DictConfig) -> None:
         train(cfg)
     except USER_ERRORS as exc:
         fail(str(exc))
+    except OSError as exc:  # a disk that fills up or turns read-only mid-run; what is on disk stays intact
+        if FULL_ERRORS:
+            raise
+        fail(f"cannot write {exc.filename or 'the run dir'}: {exc.strerror or exc}: free some space (or pass "
+             f"hydra.run.dir=<a writable folder>), then continue with resume=latest")
 
 
 def fail(message: str) -> None:
@@ -85,3 +92,8 @@ if __name__ == "__main__":
         if FULL_ERRORS:
             raise
         fail(compose_error(exc))
+    except OSError as exc:  # Hydra could not create the run dir (under a file, read-only, full)
+        if FULL_ERRORS:
+            raise
+        fail(f"cannot create the run dir {exc.filename or ''}: {exc.strerror or exc}: pass "
+             f"hydra.run.dir=<a writable folder>")
