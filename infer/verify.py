@@ -54,8 +54,9 @@ def verify_tree(
 
     Invalid input raises one ValueError naming the problem: shapes, an empty batch, non-integer tokens
     or parents, token ids outside [0, V) (other than -1), draft and target vocabularies that differ,
-    and probabilities the rule reads that are NaN, infinite or negative (or, for a sampled child, a
-    draft probability of 0: it cannot have been drawn). Greedy refuses a NaN row (it has no argmax).
+    and probabilities the rule reads that are NaN, infinite or negative at a drafted child (for a
+    sampled child also a draft probability of 0: it cannot have been drawn), or NaN / infinite in a row
+    it samples from. Greedy refuses a NaN row (it has no argmax).
     """
     tree = _Tree(draft_tokens, parents)
     _check_probs(tree, target_probs, "target_probs")
@@ -124,9 +125,10 @@ def _depths(parents: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- input checks
-# Cheap by design: shapes, dtypes and token ids are O(B * N); probability values are checked only
-# where a rule reads them (a node's children: O(B * N); the rows the walk stops at: O(B * V)),
-# never over the whole [B, N, V] tensor.
+# Cheap by design: shapes, dtypes and token ids are O(B * N); probability values are checked where a
+# rule reads them one by one (a node's children: O(B * N)); a row the walk samples from is judged by
+# the sums the sampler computes anyway (NaN or infinity anywhere makes them non-finite), so no extra
+# pass over [B, N, V] or even [B, V] is made.
 
 def _require_integers(x: torch.Tensor, name: str) -> None:
     if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
@@ -157,14 +159,13 @@ def _check_at_children(tree: _Tree, values: torch.Tensor, name: str, positive: b
                          f"must be {wanted}; pass warp_probs of finite logits")
 
 
-def _check_rows(rows: torch.Tensor, name: str) -> None:
-    """rows [R, V]: every entry finite and >= 0 (one min/max pass; NaN propagates through both)."""
-    if rows.numel() == 0:
-        return
-    low, high = rows.aminmax()
-    if not (bool(low >= 0) and bool(torch.isfinite(high))):
-        raise ValueError(f"{name} holds {'NaN' if bool(torch.isnan(high)) else 'negative or infinite'} "
-                         f"probabilities in a row the verifier samples from: pass warp_probs of finite logits")
+def _sample_row(rows: torch.Tensor, generator, name: str = "target_probs") -> torch.Tensor:
+    """sample() of the rows the walk stopped at, its mass check worded for the verifier's caller."""
+    try:
+        return sample(rows, generator)
+    except ValueError:
+        raise ValueError(f"{name} holds NaN or infinite values (or no mass) in a row the verifier samples "
+                         f"from: pass warp_probs of finite logits") from None
 
 
 def _walk(tree: _Tree, rule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -213,13 +214,11 @@ class _DeterministicChildren:
         # no child was y: y ~ p restricted to the non-children
         kid_mass = torch.where(self.tree.children_of(cur), self.kid_prob, 0.0).to(self.p.dtype)  # [B, N]
         token = self.tree.tokens.clamp(min=0)
-        rest = self.tree.at(self.p, cur)  # [B, V]
-        _check_rows(rest, "target_probs")
-        rest.scatter_add_(1, token, -kid_mass)  # p[c] - p[c] = 0
+        rest = self.tree.at(self.p, cur).scatter_add_(1, token, -kid_mass)  # [B, V]; p[c] - p[c] = 0
         # children holding all of p leave "no child" to rounding error; y ~ p is exact there too
         no_rest = rest.sum(-1, keepdim=True) == 0
         rest.scatter_add_(1, token, kid_mass * no_rest)
-        return sample(rest, self.generator)
+        return _sample_row(rest, self.generator)
 
 
 class _SampledChildren:
@@ -267,6 +266,9 @@ class _SampledChildren:
             return a, S
         a_next = a[rows] + S[rows]
         S_next = self._residual(cur[rows], rows, a_next).sum(-1).double()
+        if not bool(torch.isfinite(S_next).all()):  # NaN or +inf in p or q at the node: no residual law
+            raise ValueError("target_probs or draft_probs hold NaN or infinite values in a row the verifier "
+                             "samples from: pass warp_probs of finite logits")
         # S_next == 0 means r == q: that rejection had probability 0 (float rounding), so the
         # conditional law is still r; keep it rather than divide by zero or restart from p
         keep = S_next > 0
@@ -278,16 +280,13 @@ class _SampledChildren:
     def _residual(self, nodes, rows, a):
         """(p - a q)+ [R, V] at the rows' nodes, unnormalised; in place on the gathered copies."""
         p, q = self.tree.at(self.p, nodes, rows), self.tree.at(self.q, nodes, rows)
-        _check_rows(p, "target_probs")
-        _check_rows(q, "draft_probs")
         return p.sub_(q.mul_(a[:, None].to(q.dtype))).clamp_(min=0)
 
     def final(self, cur: torch.Tensor) -> torch.Tensor:
         residual = self.tree.at(self.p, cur)  # [B, V] residual p (a = 0) unless a sibling was rejected
-        _check_rows(residual, "target_probs")
         rows = (self.a > 0).nonzero().squeeze(1)
         residual[rows] = self._residual(cur[rows], rows, self.a[rows])
-        return sample(residual, self.generator)
+        return _sample_row(residual, self.generator)
 
 
 class _Greedy:

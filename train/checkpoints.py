@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from heads.base import save_head, unwrap
 from heads.formats.common import file_sha256
 from train.config import ConfigError, TrainingError
 
-log = get_logger(__name__)
+log = logging.getLogger(__name__)  # plain logging: find_checkpoint also runs without an Accelerator
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -63,7 +63,7 @@ def find_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
                               f"(resume=<run dir>) to take the newest intact checkpoint")
         if problems:
             log.warning(f"checkpoint {path}: {problems[0]}: the resumed run's random draws will differ from an "
-                        f"uninterrupted run's", main_process_only=False)
+                        f"uninterrupted run's")
         return path
     found = step_dirs(path)
     if found:
@@ -140,7 +140,7 @@ def newest_intact(found: list[Path], run_dir: Path) -> Path:
                               f"{report[0][1][0]}): start fresh (resume=null, or another hydra.run.dir)")
         ckpt = usable[0][0]
         log.warning(f"resuming from {ckpt} without its random state: the resumed run's random draws will differ "
-                    f"from an uninterrupted run's", main_process_only=False)
+                    f"from an uninterrupted run's")
     return ckpt
 
 
@@ -201,7 +201,7 @@ def load_checkpoint(accelerator: Accelerator, path: Path, expect: dict) -> dict:
     rng = Path(path) / f"random_states_{accelerator.process_index}.pkl"
     if not readable_rng_state(rng):
         log.warning(f"{rng} is missing or unreadable: the resumed run's random draws will differ from an "
-                    f"uninterrupted run's", main_process_only=False)
+                    f"uninterrupted run's")
     accelerator.load_state(str(path))
     return state
 
