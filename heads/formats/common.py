@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from safetensors import SafetensorError
 from torch import Tensor
 
 PROVENANCE_FILE = "headway.json"
@@ -197,7 +198,10 @@ def check_output_apart(output: Path, source: Path) -> None:
 def check_writable(folder: Path, key: str = "output") -> None:
     """Create `folder`'s parent if needed and write a probe file there: a read-only or full disk fails now,
     with one line, instead of after the slow part."""
-    parent = Path(folder).parent
+    parent = Path(folder).absolute().parent
+    existing = next(p for p in [parent, *parent.parents] if p.exists())
+    if not existing.is_dir():
+        raise ExportError(f"cannot write {key}={folder}: {existing} is a file, not a folder; choose another {key}=")
     try:
         parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{Path(folder).name}.probe-") as probe:
@@ -234,9 +238,10 @@ def write_atomically(output: Path, fill: Callable[[Path], None], overwrite: bool
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, output)
-    except OSError as exc:  # a full disk midway: the temp folder goes, `output` stays as it was
-        raise ExportError(f"cannot write output={output}: {exc.strerror or exc} ({exc.filename or output}); "
-                          f"free some space or choose another output=") from None
+    except (OSError, SafetensorError) as exc:  # a full disk midway: the temp folder goes, `output` stays
+        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+        raise ExportError(f"cannot write output={output}: {reason}; free some space or choose another "
+                          f"output=") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return output
