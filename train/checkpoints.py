@@ -131,8 +131,7 @@ def newest_intact(found: list[Path], run_dir: Path) -> Path:
     for ckpt, problems in report:
         if not problems:
             break
-        log.warning(f"checkpoint {ckpt} is damaged ({'; '.join(problems[:3])}): falling back to an older one",
-                    main_process_only=False)
+        log.warning(f"checkpoint {ckpt} is damaged ({'; '.join(problems[:3])}): falling back to an older one")
     else:
         usable = [(c, p) for c, p in report if all(rng_only(x) for x in p)]
         if not usable:

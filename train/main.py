@@ -27,6 +27,7 @@ import hydra  # noqa: E402
 from hydra.errors import HydraException, MissingConfigException  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
 
 from heads.base import HeadError  # noqa: E402
 from heads.target import TargetError  # noqa: E402
@@ -46,11 +47,12 @@ def main(cfg: DictConfig) -> None:
         train(cfg)
     except USER_ERRORS as exc:
         fail(str(exc))
-    except OSError as exc:  # a disk that fills up or turns read-only mid-run; what is on disk stays intact
-        if FULL_ERRORS:
+    except (OSError, SafetensorError) as exc:  # a disk that fills up or turns read-only mid-run; the
+        if FULL_ERRORS:                          # checkpoints on disk stay whole (temp folder, then rename)
             raise
-        fail(f"cannot write {exc.filename or 'the run dir'}: {exc.strerror or exc}: free some space (or pass "
-             f"hydra.run.dir=<a writable folder>), then continue with resume=latest")
+        reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
+        fail(f"cannot write {getattr(exc, 'filename', None) or 'the run dir'}: {reason}: free some space (or "
+             f"pass hydra.run.dir=<a writable folder>), then continue with resume=latest")
 
 
 def fail(message: str) -> None:
