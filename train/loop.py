@@ -292,9 +292,9 @@ def stop_if_not_finite(grad_norm, loss, step: int) -> None:
     """Stop before a NaN or infinite gradient reaches the weights. The norm is global (the same on every rank
     after the all-reduce), so every rank stops together; a NaN loss makes NaN gradients."""
     if grad_norm is not None and not math.isfinite(float(grad_norm)):
-        raise TrainingError(f"step {step}: the gradient norm is {float(grad_norm)} (loss {float(loss.detach()):.4g}): training "
-                            f"diverged or the data or target weights hold NaN; lower optim.lr, check the target, or "
-                            f"resume from the last checkpoint (nothing after it was saved)")
+        raise TrainingError(f"step {step}: the gradient norm is {float(grad_norm)} (loss {float(loss.detach()):.4g}): "
+                            f"training diverged or the data or target weights hold NaN; lower optim.lr, check the "
+                            f"target, or resume from the last checkpoint (nothing after it was saved)")
 
 
 def endless(loader, first: int = 0):
