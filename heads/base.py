@@ -400,18 +400,20 @@ def read_head_config(directory: str | os.PathLike) -> dict:
     return config
 
 
-def load_head(directory: str | os.PathLike, target: Target | None = None, device="cpu") -> DraftHead:
-    """Rebuild a head from its folder. Without `target`, the target recorded in the folder is loaded."""
+def load_head(directory: str | os.PathLike, target: Target | None = None, device="cpu",
+              trust_remote_code: bool = False) -> DraftHead:
+    """Rebuild a head from its folder. Without `target`, the target recorded in the folder is loaded, with
+    `trust_remote_code` as the caller says (never as the folder says: see heads.target.recorded_spec)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from heads.target import load_target
+    from heads.target import load_target, recorded_spec
 
     config = read_head_config(directory)
     if target is None:
         if not config.get("target"):
             raise HeadError(f"{directory} records no target: pass one explicitly")
-        target = load_target(config["target"], device=device)
+        target = load_target(recorded_spec(config["target"], trust_remote_code), device=device)
     check_fits_target(config, target, directory)
     kind = config["head_kind"]
     if kind not in HEAD_REGISTRY:
@@ -425,6 +427,7 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, device
     except (SafetensorError, OSError) as exc:
         raise HeadError(f"{Path(directory) / WEIGHTS_NAME} is corrupted or unreadable ({exc}): "
                         f"re-export or re-train the head") from exc
+    check_shapes(state, head.state_dict(), directory, kind)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise HeadError(f"{directory} does not match a {kind} head with these options: "
@@ -462,10 +465,20 @@ def _load_counts(path: Path, vocab_size: int) -> Tensor | None:
     return counts
 
 
+def check_shapes(found: dict[str, Tensor], expected: dict[str, Tensor], where, kind: str) -> None:
+    """Every saved tensor the head has must have the head's shape on this target (a target with other layer
+    sizes, e.g. another intermediate_size, builds a head with other shapes)."""
+    for name, tensor in found.items():
+        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
+            raise TargetError(f"{where}: tensor {name} is {list(tensor.shape)}, but a {kind} head on this target "
+                              f"needs {list(expected[name].shape)}: the head was trained for a target of other "
+                              f"shapes; use the target its config.json records")
+
+
 def check_fits_target(config: dict, target: Target, where) -> None:
     shape = config.get("target_shape", {})
     cfg = target.config
-    for key in ("hidden_size", "vocab_size"):
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
         if key in shape and shape[key] != getattr(cfg, key):
             raise TargetError(f"head in {where} was trained for a target with {key}={shape[key]}, "
                               f"but this target has {key}={getattr(cfg, key)}: use the matching target")

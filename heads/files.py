@@ -9,6 +9,9 @@ writer leaves the previous file (or nothing), never a torn one. Renames within o
     with atomic_path(folder, directory=True) as tmp:   # a folder: fill the (existing) tmp folder
         (tmp / "config.json").write_text(...)
     write_json_atomic(path, obj)
+
+Text files a user hands in (JSONL conversations, prompt sets) are checked for what the user can fix, with
+the file and line, before a library's generic message: `check_text_file`, `first_json_error`.
 """
 
 from __future__ import annotations
@@ -77,3 +80,43 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------ user text files
+
+def check_text_file(path: Path, error: type[Exception] = ValueError) -> None:
+    """Every line UTF-8 and at least one that is not blank (else `error` with the file and line): a
+    streamed pass, ~1 s per GB."""
+    has_text = False
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise error(f"{path}:{n} is not UTF-8 text (byte {exc.start + 1} of the line is "
+                                f"0x{line[exc.start]:02x}): re-save the file as UTF-8") from None
+            has_text = has_text or bool(text.strip())
+    if not has_text:
+        raise error(f"{path} is empty (no line holds any text): write one JSON object per line")
+
+
+def first_json_error(path: Path) -> str | None:
+    """Where a JSON or JSON-lines file stops parsing (a truncated last line, a stray character), or None."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    if Path(path).suffix == ".json":
+        try:
+            json.loads(text)
+            return None
+        except json.JSONDecodeError as exc:
+            if exc.msg != "Extra data":  # "Extra data": a .json file holding JSON lines, checked below
+                return f"{path}:{exc.lineno} is not valid JSON ({exc.msg})"
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            return f"{path}:{n} is not valid JSON ({exc.msg}; cut short?): write one complete JSON object per line"
+        if not isinstance(row, dict):
+            return f"{path}:{n} is a JSON {type(row).__name__}, not an object: write one JSON object per line"
+    return None

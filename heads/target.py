@@ -57,6 +57,17 @@ class TargetSpec:
         return dataclasses.asdict(self)
 
 
+def recorded_spec(recorded: dict | TargetSpec, trust_remote_code: bool = False) -> TargetSpec:
+    """The target a file names (a head's config.json, an export's headway.json, a cache index), with its
+    `trust_remote_code` replaced by the caller's: only the user's own command line or config for this run
+    may let transformers import Python from a target folder, never a file that came with a checkpoint."""
+    spec = TargetSpec.from_dict(recorded.to_dict() if isinstance(recorded, TargetSpec) else recorded)
+    if spec.trust_remote_code and not trust_remote_code:
+        log.warning("the recorded target %r asks for trust_remote_code; ignored (files that come with a head never "
+                    "decide it): pass trust_remote_code=true yourself if you trust %s", spec.name, spec.path)
+    return dataclasses.replace(spec, trust_remote_code=bool(trust_remote_code))
+
+
 @dataclass
 class Target:
     """A loaded frozen target: the HF model, its tokenizer and the spec it was built from."""
@@ -262,6 +273,30 @@ def _load_pretrained(spec: TargetSpec, dtype: torch.dtype):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TargetError(f"cannot load target {spec.path!r}: {first}") from exc
     return model, tokenizer
+
+
+def target_identity(target: Target) -> dict:
+    """What makes two loaded targets the same for training: name, revision, architecture and a fingerprint of
+    the weights (a different seed or fine-tune under the same name differs there)."""
+    cfg = target.config
+    arch = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
+                                                "num_hidden_layers", "num_attention_heads", "vocab_size")}
+    return {"name": target.spec.name, "revision": target.spec.revision, "architecture": arch,
+            "weights": weights_fingerprint(target.model)}
+
+
+def weights_fingerprint(model: nn.Module, per_tensor: int = 4096) -> str:
+    """sha256 of every tensor's name, shape and an evenly strided sample of its values, rounded to bf16 so the
+    same weights loaded in fp32 or bf16 (CPU or GPU) agree; milliseconds even for an 8B target."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // per_tensor)][:per_tensor]
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def target_parts(model: nn.Module) -> dict[str, nn.Module]:

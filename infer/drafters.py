@@ -44,7 +44,7 @@ from heads.base import DraftHead, HeadError
 from heads.target import Target
 from infer.kv_cache import PagedKVCache
 from infer.roofline import TreePlan, best_tree, rank_rate
-from infer.sampling import sample, warp_probs
+from infer.sampling import is_greedy, sample, warp_probs
 from infer.tree import attention_mask, chain_parents
 
 
@@ -270,7 +270,7 @@ class Chain(TreePolicy):
     def build(self, proposer, root: Tensor, logits: Tensor, hidden: Tensor, max_nodes: int, last_pos: Tensor,
               sampling: Sampling):
         B = root.shape[0]
-        sampled = self.sample and sampling.temperature > 0
+        sampled = self.sample and not is_greedy(sampling.temperature)
         tokens, probs = [root.cpu()], []
         parents = torch.full((B, 1), -1)
         for depth in range(1, max_nodes):

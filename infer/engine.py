@@ -42,6 +42,7 @@ the tree with the most expected tokens per unit time; a plan of one node (no dra
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -52,7 +53,7 @@ from heads.base import TargetFeatures
 from infer.calibrate import TreeBudget, calibrate_latency  # noqa: F401  (calibrate_latency re-exported)
 from infer.drafters import Sampling
 from infer.kv_cache import CacheFullError, PagedKVCache  # noqa: F401  (CacheFullError re-exported)
-from infer.sampling import sample, warp_probs
+from infer.sampling import is_greedy, sample, warp_probs
 from infer.tree import ancestor_mask, attention_mask, causal_ancestors, depths
 from infer.verify import verify_tree
 from infer.weight_layout import apply_layout, current_layout
@@ -188,8 +189,8 @@ class Engine:
             raise EngineError("every prompt needs at least one token: drop empty prompts")
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise EngineError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if not math.isfinite(temperature) or temperature < 0:
+            raise EngineError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
         if top_p is not None and not 0 < top_p <= 1:
             raise EngineError(f"top_p must be in (0, 1], got {top_p}")
         if top_k is not None and top_k < 1:
@@ -232,7 +233,7 @@ class _Run:
         self.e, self.drafter = engine, drafter
         self.max_new = max_new_tokens
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.greedy = temperature == 0
+        self.greedy = is_greedy(temperature)  # a temperature below GREEDY_BELOW decodes greedily
         self.generator = torch.Generator(engine.device).manual_seed(seed) if seed is not None else None
         self.stop_on_eos = stop_on_eos
         self.B = len(prompts)

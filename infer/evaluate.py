@@ -19,13 +19,18 @@ It prints a table and writes OUTPUT/eval.json:
                                      (infer.weight_layout; HF generate() always runs the stock one)
 
 and OUTPUT/eval.png (acceptance by depth, tau by category). A baseline left out of `baselines` gets null.
-Bad input (a checkpoint for another target, a corrupted or missing safetensors file, an empty or
-malformed prompt file, temperature < 0, top_p outside (0, 1], a prompt longer than the cache) ends with
-one `error:` line and exit status 2, before anything is written.
+Bad input (a checkpoint for another target, a corrupted or missing safetensors file, an empty, malformed or
+non-UTF-8 prompt file, a NaN, infinite or negative temperature, top_p outside (0, 1], a prompt longer than the
+cache, an output folder that cannot be written, checked before measuring) ends with one `error:` line and
+exit status 2, before anything is written. A temperature below 1e-5 decodes greedily. The checkpoint's
+recorded target is loaded without its own code unless trust_remote_code=true is passed here.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,11 +42,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from heads.base import HeadError, load_head, read_head_config
-from heads.files import atomic_path, write_json_atomic
-from heads.target import TargetError, TargetSpec, load_target, target_preset
+from heads.files import atomic_path, write_text_atomic
+from heads.target import TargetError, TargetSpec, load_target, recorded_spec, target_preset
 from infer.engine import CacheFullError, EngineError, Engine, encode_prompts
 from infer.hf_generate import generation_config, hf_generate
 from infer.prompt_sets import PromptSetError, load_prompt_set
+from infer.sampling import is_greedy
 from infer.weight_layout import check_layout, current_layout
 
 DEFAULT_TARGET = "smollm2-135m"  # the conf/target preset used when neither target= nor the checkpoint names one
@@ -73,6 +79,8 @@ class EvalConfig:
     weight_layout: str = "auto"
     output: Optional[str] = None
     plot: bool = True
+    trust_remote_code: bool = False  # let transformers run the recorded target folder's own Python (never
+    #                                  taken from the checkpoint: only this flag, or target.trust_remote_code)
 
 
 ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
@@ -82,8 +90,9 @@ ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
 
 def check_config(cfg) -> None:
     """Reject values that compose but cannot work, before anything is loaded."""
-    if cfg.temperature < 0:
-        raise EvalError(f"temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
+    if not math.isfinite(cfg.temperature) or cfg.temperature < 0:
+        raise EvalError(f"temperature must be a finite number >= 0 (0 = greedy; below 1e-5 is greedy too), "
+                        f"got {cfg.temperature}")
     if cfg.top_p is not None and not 0 < cfg.top_p <= 1:
         raise EvalError(f"top_p must be in (0, 1], got {cfg.top_p}")
     if cfg.top_k is not None and cfg.top_k < 1:
@@ -161,8 +170,10 @@ def build(cfg, device):
 
     override = OmegaConf.to_container(cfg.target) if cfg.target is not None else None
     if cfg.drafter == "head":
-        recorded = read_head_config(cfg.checkpoint)
-        target = load_target(override or recorded.get("target") or target_preset(DEFAULT_TARGET), device=device)
+        recorded = read_head_config(cfg.checkpoint)  # its trust_remote_code is never honoured: recorded_spec
+        spec = override or (recorded_spec(recorded["target"], cfg.trust_remote_code) if recorded.get("target")
+                            else target_preset(DEFAULT_TARGET))
+        target = load_target(spec, device=device)
         head = load_head(cfg.checkpoint, target, device=device)
         return target, build_drafter("head", target, head=head, **cfg.draft), recorded["head_kind"]
     target = load_target(override or target_preset(DEFAULT_TARGET), device=device)
@@ -227,7 +238,7 @@ def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]],
         for tally in (total, cat):
             tally.add_steps(s.stats)
             tally.add_time("speculative", s.stats.new_tokens, s.stats.prefill_s + s.stats.decode_s)
-        if "vanilla" in cfg.baselines or cfg.temperature == 0:
+        if "vanilla" in cfg.baselines or is_greedy(cfg.temperature):
             p = plain.generate([ids], **sampling, seed=cfg.seed + i)
             matches += int(p.tokens[0] == s.tokens[0])
             total.add_time("vanilla", p.stats.new_tokens, p.stats.prefill_s + p.stats.decode_s)
@@ -256,7 +267,7 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "tokens_per_second": tps,
         "speedup_vs_vanilla": ratio("vanilla"),
         "speedup_vs_hf_generate": ratio("hf_generate"),
-        "greedy_match": matches / total.prompts if cfg.temperature == 0 else None,
+        "greedy_match": matches / total.prompts if is_greedy(cfg.temperature) else None,
         "draft": draft or {},  # the drafter and, for planned trees, the size and the speedup it predicted
         "weight_layout": current_layout(target.model),  # the engines' (HF generate() runs the stock one)
     }
@@ -297,12 +308,42 @@ def default_output(cfg) -> Path:
 
 def write_results(res: dict, directory: Path, plot: bool) -> list[Path]:
     """eval.json (and eval.png) written to temp files, then renamed: never half-written."""
-    written = [write_json_atomic(directory / "eval.json", res, indent=2)]
-    if plot:
-        with atomic_path(directory / "eval.png") as tmp:
-            plot_results(res, tmp)
-        written.append(directory / "eval.png")
+    text = json.dumps(finite_or_null(res), indent=2, allow_nan=False) + "\n"  # JSON has no NaN or Infinity
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        written = [write_text_atomic(directory / "eval.json", text)]
+        if plot:
+            with atomic_path(directory / "eval.png") as tmp:
+                plot_results(res, tmp)
+            written.append(directory / "eval.png")
+    except OSError as exc:
+        raise EvalError(f"cannot write the results to {directory}: {exc.strerror or exc}; "
+                        f"pass a writable output=") from None
     return written
+
+
+def finite_or_null(value):
+    """res with every NaN or infinite float replaced by None (null in eval.json)."""
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def check_writable(directory: Path) -> None:
+    """Write (and delete) a probe file in the results folder, or in its nearest existing ancestor, before
+    anything is measured: a read-only or full disk fails now, and a refused run leaves nothing behind."""
+    existing = next(p for p in [directory.absolute(), *directory.absolute().parents] if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(20, "Not a directory", str(existing))
+        probe = existing / f".headway-writable-{os.getpid()}"
+        probe.write_bytes(b"headway")
+        probe.unlink()
+    except OSError as exc:
+        raise EvalError(f"cannot write the results to {directory}: {exc.strerror or exc}; pass a writable "
+                        f"output=DIR") from None
 
 
 def plot_results(res: dict, file) -> None:
@@ -334,6 +375,8 @@ def evaluate(cfg, out=print) -> dict:
     """Validate, load, measure, write. Raises the errors listed in ERRORS on bad input."""
     check_config(cfg)
     rows = load_prompts(cfg.prompts, cfg.max_prompts)
+    output = Path(cfg.output) if cfg.output else default_output(cfg)
+    check_writable(output)  # before minutes of measuring, not after
     device = resolve_device(cfg.device)
     target, drafter, head_name = build(cfg, device)
     prompt_ids = encode_prompts(target.tokenizer, [r["prompt"] for r in rows])
@@ -343,7 +386,7 @@ def evaluate(cfg, out=print) -> dict:
     total, by_cat, matches = measure(cfg, target, drafter, rows, prompt_ids, out)
     res = results(cfg, target, head_name, total, by_cat, matches, drafter.describe())
     print_report(res, out)
-    written = write_results(res, Path(cfg.output) if cfg.output else default_output(cfg), cfg.plot)
+    written = write_results(res, output, cfg.plot)
     out("wrote " + ", ".join(str(p) for p in written))
     return res
 

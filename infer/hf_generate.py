@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
+from infer.sampling import is_greedy
 from infer.weight_layout import stock_layout
 
 
@@ -35,7 +36,7 @@ def generation_config(eos_ids: list[int], pad_id: int, max_new_tokens: int, temp
                       top_k: int | None = None, top_p: float | None = None,
                       prompt_lookup_num_tokens: int | None = None) -> GenerationConfig:
     sampling = dict(do_sample=True, temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0) \
-        if temperature > 0 else dict(do_sample=False)
+        if not is_greedy(temperature) else dict(do_sample=False)
     return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids), pad_token_id=pad_id,
                             prompt_lookup_num_tokens=prompt_lookup_num_tokens, **sampling)
 

@@ -16,6 +16,8 @@ import gzip
 import json
 from pathlib import Path
 
+from heads.files import check_text_file
+
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 ALIASES = {"human-eval": "humaneval", "human_eval": "humaneval"}
 RENAMED = {"mt-bench": "chat", "mtbench": "chat", "mt_bench": "chat"}  # old name -> current name
@@ -50,8 +52,9 @@ def load_prompt_set(name_or_path: str) -> list[dict]:
 
 def _read_jsonl(path: Path) -> list[dict]:
     """Lines of {"prompt", "category"?, "id"?}: category defaults to "general", id to <file stem>-<line>."""
+    check_text_file(path, PromptSetError)  # not UTF-8 (file:line), or empty
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:

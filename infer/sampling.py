@@ -5,7 +5,19 @@ the bonus token all go through the same warping as plain sampling, so every call
 `warp_probs` and `sample` from here.
 """
 
+import math
+
 import torch
+
+# Below this temperature sampling is greedy (vLLM's convention, _SAMPLING_EPS = 1e-5): logits / T
+# overflows fp32 long before T reaches 0 (T <= 1e-38 gives inf - inf = NaN probabilities), and a
+# distribution that sharp is a one-hot at the argmax anyway, up to exact ties.
+GREEDY_BELOW = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether `temperature` decodes greedily (0, or so small that it is greedy in effect)."""
+    return temperature < GREEDY_BELOW
 
 
 def warp_probs(
@@ -14,14 +26,15 @@ def warp_probs(
     """Turn logits [..., V] into the fp32 distribution [..., V] that sampling draws from.
 
     Order: temperature, then top-k, then top-p (the order of HF `generate`).
-    temperature == 0 means greedy: a one-hot at the argmax (ties go to the lowest index, as
-    `torch.argmax`); top-k/top-p cannot change the argmax, so they are skipped.
+    temperature == 0 (or below GREEDY_BELOW) means greedy: a one-hot at the argmax (ties go to the
+    lowest index, as `torch.argmax`); top-k/top-p cannot change the argmax, so they are skipped.
+    A NaN or infinite temperature is a ValueError.
     top-k keeps every token tied with the k-th largest logit. top-p keeps the smallest
     highest-probability set whose mass reaches top_p (at least one token).
     """
     _check_warp_args(temperature, top_k, top_p)
     logits = logits.float()  # softmax in fp32 whatever the model's dtype
-    if temperature == 0:
+    if is_greedy(temperature):
         return _one_hot_argmax(logits)
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
@@ -124,8 +137,8 @@ def _blocks(x: torch.Tensor, pad_value: float = 0.0) -> torch.Tensor:
 
 
 def _check_warp_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1 or None (no top-k), got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:

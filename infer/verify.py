@@ -55,6 +55,12 @@ def verify_tree(
     drawn from the last node's residual (the bonus token after a full path), padded with -1.
     path[b, :num_tokens[b]] are the accepted node indices starting with the root 0, so tokens[b, k]
     was drawn from target_probs[b, path[b, k]]; padded with -1. num_tokens >= 1.
+
+    Invalid input raises one ValueError naming the problem: shapes, an empty batch, non-integer tokens
+    or parents, token ids outside [0, V) (other than -1), draft and target vocabularies that differ,
+    and probabilities the rule reads that are NaN, infinite or negative at a drafted child (for a
+    sampled child also a draft probability of 0: it cannot have been drawn), or NaN / infinite in a row
+    it samples from. Greedy refuses a NaN row (it has no argmax).
     """
     tree = _Tree(draft_tokens, parents)
     _check_probs(tree, target_probs, "target_probs")
@@ -64,6 +70,9 @@ def verify_tree(
         rule = _DeterministicChildren(tree, target_probs, generator)
     else:
         _check_probs(tree, draft_probs, "draft_probs")
+        if draft_probs.shape != target_probs.shape:
+            raise ValueError(f"draft_probs {tuple(draft_probs.shape)} and target_probs {tuple(target_probs.shape)} "
+                             f"must have the same shape: draft and target must share one vocabulary")
         rule = _SampledChildren(tree, target_probs, draft_probs, generator)
     return _walk(tree, rule)
 
@@ -75,6 +84,10 @@ class _Tree:
         if tokens.dim() != 2:
             raise ValueError(f"draft_tokens must be [B, N], got shape {tuple(tokens.shape)}")
         B, N = tokens.shape
+        if B == 0 or N == 0:
+            raise ValueError(f"draft_tokens is empty ({B} rows of {N} nodes): pass at least one row with its root")
+        _require_integers(tokens, "draft_tokens")
+        _require_integers(parents, "parents")
         if parents.shape not in ((N,), (B, N)):
             raise ValueError(f"parents must be [N] or [B, N] = [{B}, {N}], got {tuple(parents.shape)}")
         parents = parents.to(device=tokens.device, dtype=torch.long).expand(B, N)
@@ -115,10 +128,48 @@ def _depths(parents: torch.Tensor) -> torch.Tensor:
     return depth
 
 
+# ------------------------------------------------------------------------------- input checks
+# Cheap by design: shapes, dtypes and token ids are O(B * N); probability values are checked where a
+# rule reads them one by one (a node's children: O(B * N)); a row the walk samples from is judged by
+# the sums the sampler computes anyway (NaN or infinity anywhere makes them non-finite), so no extra
+# pass over [B, N, V] or even [B, V] is made.
+
+def _require_integers(x: torch.Tensor, name: str) -> None:
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers (a long tensor), got {x.dtype}")
+
+
 def _check_probs(tree: _Tree, probs: torch.Tensor, name: str) -> None:
     if probs.dim() != 3 or probs.shape[:2] != (tree.batch, tree.nodes):
         raise ValueError(f"{name} must be [B, N, V] with B, N = {tree.batch}, {tree.nodes}, "
                          f"got {tuple(probs.shape)}")
+    if not probs.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {probs.dtype}")
+    low, high = tree.tokens.aminmax()
+    if int(low) < -1 or int(high) >= probs.shape[-1]:
+        raise ValueError(f"draft_tokens must be token ids in [0, V) = [0, {probs.shape[-1]}) or -1 (padding), "
+                         f"found {int(low) if int(low) < -1 else int(high)}")
+
+
+def _check_at_children(tree: _Tree, values: torch.Tensor, name: str, positive: bool = False) -> None:
+    """values [B, N] float64 = probs[b, parent(j), token(j)]: finite and >= 0 (> 0) at every real child."""
+    ok = torch.isfinite(values) & ((values > 0) if positive else (values >= 0))
+    bad = tree.real & ~ok
+    bad[:, 0] = False  # the root is no child
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        wanted = "finite and > 0 (a child is drawn from it)" if positive else "finite and >= 0"
+        raise ValueError(f"{name} at the token of node {j} (row {b}) is {float(values[b, j])}: probabilities "
+                         f"must be {wanted}; pass warp_probs of finite logits")
+
+
+def _sample_row(rows: torch.Tensor, generator, name: str = "target_probs") -> torch.Tensor:
+    """sample() of the rows the walk stopped at, its mass check worded for the verifier's caller."""
+    try:
+        return sample(rows, generator)
+    except ValueError:
+        raise ValueError(f"{name} holds NaN or infinite values (or no mass) in a row the verifier samples "
+                         f"from: pass warp_probs of finite logits") from None
 
 
 def _walk(tree: _Tree, rule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,7 +202,9 @@ class _DeterministicChildren:
         same_token = tree.tokens[:, :, None] == tree.tokens[:, None, :]  # [B, N, N]
         siblings = tree.parents[:, :, None] == tree.parents[:, None, :]
         repeated = (same_token & siblings).tril(-1).any(-1)  # [B, N] an earlier sibling has my token
-        self.kid_prob = tree.prob_under_parent(target_probs).masked_fill(repeated, 0.0)  # [B, N] float64
+        p_kid = tree.prob_under_parent(target_probs)  # [B, N] float64
+        _check_at_children(tree, p_kid, "target_probs")
+        self.kid_prob = p_kid.masked_fill(repeated, 0.0)
 
     def pick(self, cur: torch.Tensor, kids: torch.Tensor) -> torch.Tensor:
         # inverse CDF of y ~ p with the children laid out first: y is child j with prob. p[c_j],
@@ -169,7 +222,7 @@ class _DeterministicChildren:
         # children holding all of p leave "no child" to rounding error; y ~ p is exact there too
         no_rest = rest.sum(-1, keepdim=True) == 0
         rest.scatter_add_(1, token, kid_mass * no_rest)
-        return sample(rest, self.generator)
+        return _sample_row(rest, self.generator)
 
 
 class _SampledChildren:
@@ -185,6 +238,8 @@ class _SampledChildren:
         self.tree, self.p, self.q, self.generator = tree, target_probs, draft_probs, generator
         self.p_kid = tree.prob_under_parent(target_probs)  # [B, N] float64
         self.q_kid = tree.prob_under_parent(draft_probs)
+        _check_at_children(tree, self.p_kid, "target_probs")
+        _check_at_children(tree, self.q_kid, "draft_probs", positive=True)
         self.a = torch.zeros(tree.batch, dtype=torch.float64, device=target_probs.device)  # at the stop
 
     def pick(self, cur: torch.Tensor, kids: torch.Tensor) -> torch.Tensor:
@@ -215,6 +270,9 @@ class _SampledChildren:
             return a, S
         a_next = a[rows] + S[rows]
         S_next = self._residual(cur[rows], rows, a_next).sum(-1).double()
+        if not bool(torch.isfinite(S_next).all()):  # NaN or +inf in p or q at the node: no residual law
+            raise ValueError("target_probs or draft_probs hold NaN or infinite values in a row the verifier "
+                             "samples from: pass warp_probs of finite logits")
         # S_next == 0 means r == q: that rejection had probability 0 (float rounding), so the
         # conditional law is still r; keep it rather than divide by zero or restart from p
         keep = S_next > 0
@@ -232,7 +290,7 @@ class _SampledChildren:
         residual = self.tree.at(self.p, cur)  # [B, V] residual p (a = 0) unless a sibling was rejected
         rows = (self.a > 0).nonzero().squeeze(1)
         residual[rows] = self._residual(cur[rows], rows, self.a[rows])
-        return sample(residual, self.generator)
+        return _sample_row(residual, self.generator)
 
 
 class _Greedy:
@@ -256,4 +314,9 @@ class _Greedy:
     def _argmax_at(self, cur: torch.Tensor, need: torch.Tensor) -> None:
         rows = need.nonzero().squeeze(1)
         if rows.numel():
-            self.best[rows] = argmax(self.tree.at(self.p, cur[rows], rows))  # ties: lowest index
+            scores = self.tree.at(self.p, cur[rows], rows)  # [R, V]
+            best = argmax(scores)  # ties: lowest index; a NaN wins, so one gather finds any NaN in the row
+            if bool(torch.isnan(scores.gather(1, best[:, None])).any()):
+                raise ValueError("target_probs holds NaN in a row greedy verification reads: there is no argmax; "
+                                 "pass finite logits or probabilities")
+            self.best[rows] = best

@@ -34,6 +34,7 @@ from heads.cli import run_command  # noqa: E402
 from heads.target import TargetError  # noqa: E402
 from train.config import TrainConfig  # noqa: E402  (registers the training schema)
 from train.data.config import DataError  # noqa: E402
+from train.config import ConfigError  # noqa: E402
 
 
 @dataclass
@@ -86,6 +87,7 @@ def build(cfg) -> dict:
 
     from heads.target import load_target, resolve_dtype
     from train.data import build_datasets
+    from train.config import check_fits_context
     from train.data.hidden_cache import HiddenStateCache, build_cache
 
     opts, out = cfg.cache, cfg.data.hidden_cache
@@ -97,6 +99,7 @@ def build(cfg) -> dict:
         raise DataError("cache.batch_size and cache.shard_tokens must be >= 1, cache.validate >= 0")
     device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else "cpu"
     target = load_target(OmegaConf.to_container(cfg.target, resolve=True), device=device)
+    check_fits_context(cfg.train.max_length, target.config)
     layers = list(opts.layers) if opts.layers else head_layers(cfg, target)
     data_cfg = dict(OmegaConf.to_container(cfg.data, resolve=True), hidden_states="online")  # the cache is built from the online target
     datasets = build_datasets(data_cfg, target.tokenizer, cfg.train.max_length, cfg.train.seed)
@@ -115,7 +118,7 @@ def build(cfg) -> dict:
 
 
 def main(argv=None) -> int:
-    return run_command("cache_hidden_states", build, argv, errors=(DataError, TargetError, HeadError),
+    return run_command("cache_hidden_states", build, argv, errors=(DataError, TargetError, HeadError, ConfigError),
                        usage=__doc__)
 
 

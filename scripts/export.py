@@ -3,9 +3,11 @@
     python scripts/export.py checkpoint=RUN/final format=auto output=DIR [overwrite=true]
                              [push=true repo_id=ORG/NAME private=true] [eval=PATH/eval.json]
 
-The layouts and what loads them: heads/formats/ (one module per head kind). Bad input (a missing or corrupted final/, a format
-that does not fit the head, a non-empty output without overwrite=true, no Hub token) ends with one error line
-and exit code 2; the output folder is written to a temp folder and renamed, so it is never half-written.
+The layouts and what loads them: heads/formats/ (one module per layout). Bad input (a missing or corrupted
+final/, a format that does not fit the head, a non-empty output without overwrite=true, an output that is,
+contains or lies inside the checkpoint or its run directory, NaN weights, a read-only or full disk, no Hub
+token) ends with one error line and exit code 2; the output folder is written to a temp folder and renamed,
+so it is never half-written. The target's own Python runs only with trust_remote_code=true on this command line.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class ExportConfig:
     repo_id: Optional[str] = None  # ORG/NAME, required with push=true
     private: bool = False
     commit_message: Optional[str] = None
+    trust_remote_code: bool = False  # let transformers run the target folder's own Python (yours to decide:
+    #                                  a trust_remote_code recorded in the checkpoint is never honoured)
 
 
 ConfigStore.instance().store(name="export_schema", node=ExportConfig)
@@ -55,7 +59,8 @@ def export(cfg: DictConfig) -> Path:
     eval_path = OmegaConf.to_container(cfg.eval) if OmegaConf.is_config(cfg.eval) else cfg.eval
     out = export_head(cfg.checkpoint, cfg.output, cfg.format, overwrite=cfg.overwrite, eval_path=eval_path,
                       base_model=cfg.base_model, num_speculative_tokens=cfg.num_speculative_tokens,
-                      license=cfg.license, where=cfg.repo_id if cfg.push else None)
+                      license=cfg.license, where=cfg.repo_id if cfg.push else None,
+                      trust_remote_code=cfg.trust_remote_code)
     log.info("exported %s -> %s", cfg.checkpoint, out)
     if cfg.push:
         url = push_folder(out, cfg.repo_id, private=cfg.private, commit_message=cfg.commit_message)

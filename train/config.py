@@ -9,6 +9,7 @@ wrong type fails while the config is composed, before anything is loaded. Values
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -21,6 +22,10 @@ from train.data.config import DataConfig
 
 class ConfigError(ValueError):
     """A config value that composes but cannot work; the message names the key and what to use."""
+
+
+class TrainingError(ConfigError):
+    """Training that cannot go on (a NaN loss or gradient); the message says what to do."""
 
 
 @dataclass
@@ -102,10 +107,10 @@ LOGGERS = ("none", "wandb")
 # (key, is the value fine?, what a fine value is)
 RULES = [
     ("optim.name", lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
-    ("optim.lr", lambda v: v > 0, "> 0"),
+    ("optim.lr", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1)"),
-    ("optim.eps", lambda v: v > 0, "> 0"),
-    ("optim.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("optim.eps", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    ("optim.weight_decay", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
     ("optim.schedule", lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
     ("optim.warmup_steps", lambda v: v is None or v >= 0, ">= 0 or null"),
     ("optim.warmup_ratio", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -134,3 +139,13 @@ def check_config(cfg: DictConfig) -> None:
         if not ok(value):
             shown = list(value) if isinstance(value, ListConfig) else value
             raise ConfigError(f"{key}={shown} is invalid: it must be {wanted}")
+
+
+def check_fits_context(max_length: int, target_config) -> None:
+    """Rows are truncated to train.max_length; that must fit the target's positions, or the target would
+    be run past its context (its features there are meaningless) without anyone saying so."""
+    limit = getattr(target_config, "max_position_embeddings", None)
+    if limit and max_length > limit:
+        raise ConfigError(f"train.max_length={max_length} exceeds the target's context of {limit} positions "
+                          f"(max_position_embeddings): set train.max_length<={limit} (longer conversations are "
+                          f"truncated to it)")

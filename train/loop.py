@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 
 from heads.base import DraftHead, build_head, simulated_tau
 from heads.target import load_target
-from train.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint, save_head_folder
-from train.config import ConfigError, check_config
+from train.checkpoints import load_checkpoint, resume_point, run_identity, save_checkpoint, save_head_folder
+from train.config import ConfigError, TrainingError, check_config, check_fits_context
 from train.data import build_datasets, collate_fn, make_feature_source, token_counts
 from train.data.batching import LengthGroupedBatches, example_lengths
 from train.metrics import MetricsLog
@@ -48,6 +48,7 @@ class Job:
     train_dl: DataLoader
     val_dl: DataLoader | None
     features: Callable  # batch -> TargetFeatures of the frozen target
+    identity: dict  # head kind and options, target name, revision, architecture, weights fingerprint
 
 
 def train(cfg: DictConfig) -> Path:
@@ -60,8 +61,8 @@ def train(cfg: DictConfig) -> Path:
     accelerator = make_accelerator(cfg)
     run_dir = shared_run_dir(accelerator, cfg.output_dir)
     job = setup(cfg, accelerator)
-    state, resumed = restore(cfg, accelerator, run_dir)
-    metrics = MetricsLog(accelerator, run_dir, cfg, resumed_step=state["step"] if resumed else None)
+    state, resumed = restore(cfg, accelerator, run_dir, job.identity)
+    metrics = MetricsLog(accelerator, run_dir, cfg, resumed_step=state["step"])  # drops rows after it
 
     step = state["step"]
     end = t.max_steps if t.stop_after is None else min(t.max_steps, step + t.stop_after)
@@ -76,7 +77,7 @@ def train(cfg: DictConfig) -> Path:
         for group in (g for opt in job.optimizers for g in opt.param_groups):
             group["lr"] = lr
         for _ in range(t.grad_accum):
-            micro_step(job, next(batches), window, max_norm=cfg.optim.grad_clip or math.inf)
+            micro_step(job, next(batches), window, max_norm=cfg.optim.grad_clip or math.inf, step=step + 1)
         step += 1
         bar.update(1)
 
@@ -139,8 +140,23 @@ def shared_run_dir(accelerator: Accelerator, output_dir: str) -> Path:
         broadcast_object_list(box, from_process=0)
     run_dir = Path(box[0])
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        check_writable(run_dir)
     return run_dir
+
+
+def check_writable(run_dir: Path) -> None:
+    """Create the run dir and write a probe file there: a read-only or full disk fails now, in one line."""
+    probe = run_dir / ".headway-writable"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with probe.open("wb") as f:
+            f.write(b"headway")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write the run dir {run_dir}: {exc.strerror or exc} ({exc.filename}): pass "
+                          f"hydra.run.dir=<a writable folder with free space>") from None
 
 
 def with_hidden_cache(data_cfg, accelerator: Accelerator, target, datasets, layers: list[int]):
@@ -167,6 +183,7 @@ def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
     only: the target stays outside the wrapper, the optimizer and the checkpoints."""
     t = cfg.train
     target = load_frozen_target(accelerator, cfg)
+    check_fits_context(t.max_length, target.config)
     train_ds, val_ds = build_datasets(cfg.data, target.tokenizer, t.max_length, t.seed,
                                       main_process_first=accelerator.main_process_first)
     set_seed(t.seed)  # the same head initialisation on every rank
@@ -183,15 +200,15 @@ def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
     if val_dl is not None:
         val_dl = accelerator.prepare(val_dl)
     set_seed(t.seed, device_specific=True)  # training noise differs per rank
-    return Job(accelerator, model, optimizers, train_dl, val_dl, features)
+    identity = run_identity(cfg.head.kind, OmegaConf.to_container(cfg.head.options, resolve=True), target)
+    return Job(accelerator, model, optimizers, train_dl, val_dl, features, identity)
 
 
-def restore(cfg: DictConfig, accelerator: Accelerator, run_dir: Path) -> tuple[dict, bool]:
-    """The trainer state to start from: fresh, or a checkpoint's (head, optimizer, RNG of every rank and
-    data sampler are restored in place by accelerate)."""
-    identity = {"head": cfg.head.kind, "target": cfg.target.name}
+def restore(cfg: DictConfig, accelerator: Accelerator, run_dir: Path, identity: dict) -> tuple[dict, bool]:
+    """The trainer state to start from: fresh, or the newest intact checkpoint's (head, optimizer, RNG of every
+    rank and data sampler are restored in place by accelerate), saved by the same head on the same target."""
     state = {"step": 0, "tokens_seen": 0, "best_sim_tau": None, "best_step": None, "last_val": None, **identity}
-    ckpt = find_checkpoint(cfg.resume, run_dir)
+    ckpt = resume_point(accelerator, cfg.resume, run_dir)
     if ckpt is not None:
         state.update(load_checkpoint(accelerator, ckpt, expect=identity))
         log.info(f"resumed from {ckpt} at step {state['step']}")
@@ -276,7 +293,7 @@ def lr_at(step: int, optim: DictConfig, max_steps: int) -> float:
     return min_lr + remaining * (optim.lr - min_lr)
 
 
-def micro_step(job: Job, batch: dict, window: "Window", max_norm: float) -> None:
+def micro_step(job: Job, batch: dict, window: "Window", max_norm: float, step: int) -> None:
     """Forward and backward on one micro-batch; the optimizer steps when accumulation is complete
     (accelerate's `accumulate` skips the gradient all-reduce and the step before that)."""
     accelerator = job.accelerator
@@ -285,10 +302,20 @@ def micro_step(job: Job, batch: dict, window: "Window", max_norm: float) -> None
         accelerator.backward(out.loss)
         if accelerator.sync_gradients:
             window.grad_norm = accelerator.clip_grad_norm_(job.model.parameters(), max_norm)
+            stop_if_not_finite(window.grad_norm, out.loss, step)
         for optimizer in job.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     window.add(out, batch)
+
+
+def stop_if_not_finite(grad_norm, loss, step: int) -> None:
+    """Stop before a NaN or infinite gradient reaches the weights. The norm is global (the same on every rank
+    after the all-reduce), so every rank stops together; a NaN loss makes NaN gradients."""
+    if grad_norm is not None and not math.isfinite(float(grad_norm)):
+        raise TrainingError(f"step {step}: the gradient norm is {float(grad_norm)} (loss {float(loss.detach()):.4g}): "
+                            f"training diverged or the data or target weights hold NaN; lower optim.lr, check the "
+                            f"target, or resume from the last checkpoint (nothing after it was saved)")
 
 
 def endless(loader, first: int = 0):
@@ -335,6 +362,9 @@ class Window:
         local = torch.tensor([float(self.loss) / self.micro] + [self.extra[k] / self.micro for k in keys],
                              device=self.accelerator.device)
         mean = self.accelerator.reduce(local, "mean").tolist()
+        if not math.isfinite(mean[0]):  # the same on every rank: all stop
+            raise TrainingError(f"the training loss is {mean[0]} (mean since the last metrics row): lower "
+                                f"optim.lr or check the data and target weights")
         before = state["tokens_seen"]
         self.count_tokens(state)
         row = {"loss": mean[0], **dict(zip(keys, mean[1:])), "tokens_seen": state["tokens_seen"],

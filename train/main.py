@@ -1,8 +1,10 @@
 """Train a draft head:  accelerate launch train/main.py head=eagle   (or: python train/main.py head=eagle)
 
 A thin Hydra entry point: compose conf/train.yaml with the command-line overrides, then `train(cfg)`.
-Bad input (an unknown head or target, a misspelled key, lr=0, a missing target path, an empty dataset)
-ends with one line on stderr naming the problem and exit code 2, before anything is written.
+Bad input (an unknown head or target, a misspelled key, lr=0 or inf, a missing target path, an empty or
+unreadable dataset, a run dir that cannot be written) ends with one line on stderr naming the problem and
+exit code 2, before anything is written; so does a NaN loss or gradient (nothing is saved after it) and a
+disk that fills up mid-run (checkpoints are written whole or not at all: continue with resume=latest).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import hydra  # noqa: E402
 from hydra.errors import HydraException  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
 
 from heads.base import HeadError  # noqa: E402
 from heads.cli import config_error  # noqa: E402
@@ -45,6 +48,12 @@ def main(cfg: DictConfig) -> None:
         train(cfg)
     except USER_ERRORS as exc:
         fail(str(exc))
+    except (OSError, SafetensorError) as exc:  # a disk that fills up or turns read-only mid-run; the
+        if FULL_ERRORS:                          # checkpoints on disk stay whole (temp folder, then rename)
+            raise
+        reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
+        fail(f"cannot write {getattr(exc, 'filename', None) or 'the run dir'}: {reason}: free some space (or "
+             f"pass hydra.run.dir=<a writable folder>), then continue with resume=latest")
 
 
 def fail(message: str) -> None:
@@ -75,3 +84,8 @@ if __name__ == "__main__":
         if FULL_ERRORS:
             raise
         fail(config_error(exc, hint="see the keys with: python train/main.py --cfg job"))
+    except OSError as exc:  # Hydra could not create the run dir (under a file, read-only, full)
+        if FULL_ERRORS:
+            raise
+        fail(f"cannot create the run dir {exc.filename or ''}: {exc.strerror or exc}: pass "
+             f"hydra.run.dir=<a writable folder>")

@@ -7,6 +7,7 @@ Rows are flat JSON objects: {"split": "train", "step": 10, "loss": ..., "lr": ..
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -16,10 +17,12 @@ from omegaconf import DictConfig, OmegaConf
 from heads.files import write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
+log = logging.getLogger(__name__)
 
 
 class MetricsLog:
     def __init__(self, accelerator: Accelerator, run_dir: Path, cfg: DictConfig, resumed_step: int | None):
+        """`resumed_step`: the step this run starts from (0 when fresh); None keeps every row."""
         self.accelerator = accelerator
         self.path = Path(run_dir) / METRICS_FILE
         if accelerator.is_main_process and resumed_step is not None:
@@ -40,11 +43,19 @@ class MetricsLog:
         self.accelerator.log(values, step=row["step"])
 
     def _forget_after(self, step: int) -> None:
-        """A resumed run redoes the steps after its checkpoint: drop the killed run's rows for them."""
+        """A run (re)starting at `step` redoes the steps after it: drop the earlier run's rows for them (all
+        rows when it starts fresh), and a line a kill cut short."""
         if not self.path.is_file():
             return
-        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
+        kept = []
+        for n, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+            try:
+                row = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                log.warning("%s:%d is not a complete JSON row (cut short by a kill?): dropped", self.path, n)
+                continue
+            if isinstance(row, dict) and row.get("step", 0) <= step:
+                kept.append(line)
         write_text_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def close(self) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from safetensors import SafetensorError
 from torch import Tensor
 
 from heads.files import atomic_path
@@ -168,7 +170,58 @@ def rope_fields(cfg) -> dict:
     return out
 
 
+def require_finite(state: dict[str, Tensor], where) -> None:
+    """A head with NaN or infinite weights (a diverged run, a corrupted file) must not be shipped."""
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise ExportError(f"{where} holds NaN or infinite weights ({', '.join(bad[:3])}): the run diverged or the "
+                          f"file is corrupted; export another checkpoint (e.g. checkpoints/best/) or retrain")
+
+
 # ----------------------------------------------------------------------------------- atomic output
+
+RUN_MARKERS = ("metrics.jsonl", ".hydra", "checkpoints")  # what makes a folder a training run's directory
+
+
+def run_dir_of(head_dir: Path) -> Path | None:
+    """The run directory a head folder belongs to (RUN for RUN/final and RUN/checkpoints/best), if any."""
+    for folder in (head_dir.parent, head_dir.parent.parent):
+        if any((folder / marker).exists() for marker in RUN_MARKERS):
+            return folder
+    return None
+
+
+def check_output_apart(output: Path, source: Path) -> None:
+    """Refuse an output that is, contains or lies inside the head folder or its run directory: replacing it
+    (overwrite=true) would destroy the head, its checkpoints and metrics."""
+    out, src = Path(output).resolve(), Path(source).resolve()
+    for protected, what in ((src, "the checkpoint folder"), (run_dir_of(src), "the checkpoint's run directory")):
+        if protected is None:
+            continue
+        how = "is" if out == protected else "contains" if protected.is_relative_to(out) else \
+            "lies inside" if out.is_relative_to(protected) else None
+        if how:
+            raise ExportError(f"output={output} {how} {what} {protected}: an export never writes over its source "
+                              f"(whatever overwrite says); pass an output= outside {protected}")
+
+
+def check_writable(folder: Path, key: str = "output") -> None:
+    """Create `folder`'s parent if needed and write a probe file there: a read-only or full disk fails now,
+    with one line, instead of after the slow part."""
+    parent = Path(folder).absolute().parent
+    existing = next(p for p in [parent, *parent.parents] if p.exists())
+    if not existing.is_dir():
+        raise ExportError(f"cannot write {key}={folder}: {existing} is a file, not a folder; choose another {key}=")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{Path(folder).name}.probe-") as probe:
+            probe.write(b"headway")
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as exc:
+        raise ExportError(f"cannot write {key}={folder}: {exc.strerror or exc} ({exc.filename or parent}); "
+                          f"choose a writable {key}= on a disk with free space") from None
+
 
 def check_output(output: Path, overwrite: bool) -> None:
     if output.exists() and not output.is_dir():
@@ -179,10 +232,16 @@ def check_output(output: Path, overwrite: bool) -> None:
 
 def write_atomically(output: Path, fill: Callable[[Path], None], overwrite: bool) -> Path:
     """Build the export in a temp folder next to `output`, then swap it in: a failure leaves `output` as it was."""
-    check_output(Path(output), overwrite)
-    with atomic_path(output, directory=True) as tmp:
-        fill(tmp)
-    return Path(output)
+    output = Path(output)
+    check_output(output, overwrite)
+    try:
+        with atomic_path(output, directory=True) as tmp:
+            fill(tmp)
+    except (OSError, SafetensorError) as exc:  # a full disk midway: the temp folder goes, `output` stays
+        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+        raise ExportError(f"cannot write output={output}: {reason}; free some space or choose another "
+                          f"output=") from None
+    return output
 
 
 def save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:

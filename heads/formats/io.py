@@ -12,9 +12,9 @@ from pathlib import Path
 from heads.base import HEAD_REGISTRY, WEIGHTS_NAME, DraftHead, _import_builtin_heads, load_head, read_head_config
 from heads.formats import Layout, layout_for
 from heads.files import file_sha256
-from heads.formats.common import (PROVENANCE_FILE, ExportError, Provenance, check_output, check_tensors,
-                                  load_tensors, rename, require_zero, save_tensors, target_reference,
-                                  write_atomically)
+from heads.formats.common import (PROVENANCE_FILE, ExportError, Provenance, check_output, check_output_apart,
+                                  check_tensors, check_writable, load_tensors, rename, require_finite,
+                                  require_zero, save_tensors, target_reference, write_atomically)
 
 TRAINING_KEYS = ("training", "train", "recipe")  # where a run's final/config.json may record how it was trained
 
@@ -63,16 +63,21 @@ def write_layout(head: DraftHead, layout: Layout, prov: Provenance, folder: Path
 
 def export_head(final_dir, output, fmt: str = "auto", overwrite: bool = False, eval_path=None,
                 base_model: str | None = None, num_speculative_tokens: int | None = None,
-                license: str | None = "apache-2.0", where: str | None = None, target=None) -> Path:
+                license: str | None = "apache-2.0", where: str | None = None, target=None,
+                trust_remote_code: bool = False) -> Path:
     """Export the head in `final_dir` to `output` (atomically) with a model card; returns `output`.
-    `where` is what the card's serving commands load (the Hub repo id when pushing; default: `output`)."""
+    `where` is what the card's serving commands load (the Hub repo id when pushing; default: `output`).
+    The output never is, contains or lies inside `final_dir` or its run directory."""
     from heads.formats.card import find_eval, model_card
 
     final_dir, output = Path(final_dir), Path(output)
-    check_output(output, overwrite)  # fail before the (slow) target load
+    check_output_apart(output, final_dir)  # fail before the (slow) target load
+    check_output(output, overwrite)
     kind = read_head_config(final_dir)["head_kind"]
     layout = layout_for(kind, fmt)
-    head = load_head(final_dir, target=target)
+    check_writable(output)
+    head = load_head(final_dir, target=target, trust_remote_code=trust_remote_code)
+    require_finite(head.state_dict(), Path(final_dir) / WEIGHTS_NAME)
     prov = provenance_for(head, layout, final_dir, base_model, num_speculative_tokens)
     evaluation = find_eval(final_dir, eval_path)
 
@@ -104,15 +109,16 @@ def build_empty_head(prov: Provenance, target) -> DraftHead:
     return head
 
 
-def load_export(folder, target=None, device="cpu") -> DraftHead:
-    """Rebuild the headway head from an exported folder (any layout), e.g. to run it with infer/."""
+def load_export(folder, target=None, device="cpu", trust_remote_code: bool = False) -> DraftHead:
+    """Rebuild the headway head from an exported folder (any layout), e.g. to run it with infer/. The target
+    headway.json names is loaded with the caller's `trust_remote_code`, never the one the file records."""
     from heads.base import check_fits_target
-    from heads.target import load_target
+    from heads.target import load_target, recorded_spec
 
     folder = Path(folder)
     prov = read_provenance(folder)
     layout = layout_for(prov.head_kind, prov.format)
-    target = target or load_target(prov.target, device=device)
+    target = target or load_target(recorded_spec(prov.target, trust_remote_code), device=device)
     check_fits_target({"target_shape": prov.target_shape}, target, folder)
     head = build_empty_head(prov, target)
     found = load_tensors(folder / layout.weights_file)

@@ -85,7 +85,9 @@ def test_disabled_filters_change_nothing():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.1), "temperature must be >= 0"),
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
     (dict(temperature=1.0, top_p=0.0), "top_p must be in (0, 1]"),
     (dict(temperature=1.0, top_p=1.5), "top_p must be in (0, 1]"),
     (dict(temperature=1.0, top_k=0), "top_k must be >= 1"),

@@ -209,7 +209,7 @@ class Contrary(Oracle):
 
 def test_a_drafter_that_is_always_wrong_gains_nothing_and_changes_nothing(target, prompts, plain):
     gamma = 4
-    cont = SpeculativeEngine(target).generate(prompts, max_new_tokens=NEW + gamma + 1, stop_on_eos=False).tokens
+    cont = Engine(target).generate(prompts, max_new_tokens=NEW + gamma + 1, stop_on_eos=False).tokens
     drafter = Contrary(cont, target.model.config.vocab_size, gamma=gamma)
     out = speculate(target, prompts, drafter)
     assert out.tokens == plain

@@ -18,6 +18,7 @@ from pathlib import Path
 from train.data.batching import token_totals
 from train.data.config import DataConfig, DataError, as_data_config, check_data_config
 from train.data.conversations import BadRow, detect_format, end_of_turn_markers, normalize, tokenize_conversation
+from heads.files import check_text_file, first_json_error
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,17 @@ def load_raw(cfg: DataConfig, source: str):
             builders = {LOCAL_BUILDERS.get(p.suffix) for p in files}
             if not files or None in builders or len(builders) > 1:
                 raise DataError(f"data.source {source!r}: expected .json, .jsonl or .parquet files of one kind")
-            return datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train",
-                                         cache_dir=cfg.cache_dir)
+            text_files = [p for p in files if p.suffix != ".parquet"]
+            for p in text_files:
+                check_text_file(p, DataError)  # not UTF-8, or empty: with the file and line
+            try:
+                return datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train",
+                                             cache_dir=cfg.cache_dir)
+            except Exception:
+                where = next(filter(None, map(first_json_error, text_files)), None)
+                if where:
+                    raise DataError(f"data.source: {where}") from None
+                raise
         if source.startswith((".", "/", "~")):
             raise DataError(f"data.source {source!r} does not exist: pass an existing file or directory")
         return datasets.load_dataset(source, cfg.subset, split=cfg.split, data_files=cfg.data_files,

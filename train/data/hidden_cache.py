@@ -67,6 +67,17 @@ def _spec_identity(spec: dict) -> dict:
     return {k: spec.get(k) for k in SPEC_KEYS}
 
 
+def identity_differences(index: dict, fresh: dict) -> list[str]:
+    """The identity fields (target spec, shape, layers, dtype) where a cache index and this run differ, as
+    "field: cache X, this run Y", so the message names what to change instead of two equal-looking names."""
+    cached = {**{f"target.{k}": v for k, v in _spec_identity(index["target"]).items()},
+              **{k: index.get(k) for k in ("num_layers", "hidden_size", "layers", "dtype")}}
+    wanted = {**{f"target.{k}": v for k, v in _spec_identity(fresh["target"]).items()},
+              **{k: fresh.get(k) for k in ("num_layers", "hidden_size", "layers", "dtype")}}
+    return [f"{k}: cache {cached[k]!r}, this run {wanted[k]!r}" for k in wanted
+            if wanted[k] is not None and cached.get(k) != wanted[k]]
+
+
 def auto_cache_dir(target, layers: list[int], logits: str = "none", topk: int = 64) -> Path:
     """Where training keeps the cache it builds itself (data.hidden_cache unset): one directory per target
     weights, dtype, hidden-state indices and logit mode, so two configurations never share one."""
@@ -161,13 +172,10 @@ class CacheWriter:
                 raise HiddenCacheError(f"{self.dir} holds a cache built with "
                                        f"{describe_logits(stored_logits(self.index))}, not {describe_logits(logits)}: "
                                        f"use a new directory or delete it")
-            same = {k: self.index[k] for k in ("num_layers", "hidden_size", "layers", "dtype")} == \
-                {k: fresh[k] for k in ("num_layers", "hidden_size", "layers", "dtype")} and \
-                _spec_identity(self.index["target"]) == _spec_identity(fresh["target"])
-            if not same:
+            different = identity_differences(self.index, fresh)
+            if different:
                 raise HiddenCacheError(f"{self.dir} holds a cache for another target, layers or dtype "
-                                       f"({self.index['target']['name']}, layers {self.index['layers']}, "
-                                       f"{self.index['dtype']}): use a new directory or delete it")
+                                       f"({'; '.join(different)}): use a new directory or delete it")
         self.layers, self.logits = self.index["layers"], logits
         self.entries = read_entries(self.dir, self.index)  # key -> (shard, row)
         self.pending: list[tuple[str, Tensor, dict[str, Tensor]]] = []
@@ -343,11 +351,10 @@ class HiddenStateCache:
 
     def _check_target(self, target, layers) -> None:
         idx, cfg = self.index, target.config
-        spec = target.spec.to_dict()
-        if _spec_identity(idx["target"]) != _spec_identity(spec) or idx["hidden_size"] != cfg.hidden_size \
-                or idx["num_layers"] != cfg.num_hidden_layers:
-            raise HiddenCacheError(f"{self.dir} was built for target {idx['target']['name']!r} "
-                                   f"({idx['target']['path']}), not {spec['name']!r} ({spec['path']}): "
+        different = identity_differences(idx, {"target": target.spec.to_dict(), "hidden_size": cfg.hidden_size,
+                                               "num_layers": cfg.num_hidden_layers})
+        if different:
+            raise HiddenCacheError(f"{self.dir} was built for another target ({'; '.join(different)}): "
                                    f"point data.hidden_cache at this target's cache or rebuild it")
         self.layers = sorted(set(layers) | {cfg.num_hidden_layers})
         missing = sorted(set(self.layers) - set(idx["layers"]))
