@@ -1,10 +1,10 @@
-"""Local data and prompt files a user can get wrong: each is one DataError naming the file (and the line)."""
+"""Local data files a user can get wrong: each is one DataError naming the file (and the line)."""
 
 import json
 
 import pytest
 
-from train.data import DataError, build_datasets, load_prompt_set
+from train.data import DataError, build_datasets
 
 ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 GOOD = json.dumps(ROW) + "\n"
@@ -36,15 +36,3 @@ def test_blank_lines_between_rows_are_fine(tmp_path, tiny_tokenizer):
     train_ds, _ = build_datasets({"source": str(path), "val_fraction": 0, "cache_dir": str(tmp_path / "cache")},
                                  tiny_tokenizer, 64)
     assert len(train_ds) == 2
-
-
-@pytest.mark.parametrize("content, message", [
-    (b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "{path}:2 is not UTF-8 text"),
-    (b"", "{path} is empty"),
-    (b'{"prompt": "ok"}\n{"prompt": "cut', "{path}:2 is not valid JSON"),
-])
-def test_a_bad_prompt_file_names_file_and_line(content, message, tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_bytes(content)
-    with pytest.raises(DataError, match=message.format(path=path).replace("(", "\\(")):
-        load_prompt_set(str(path))

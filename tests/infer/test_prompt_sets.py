@@ -69,3 +69,15 @@ def test_eval_prompts_never_overlap_training_prompts(name):
         assert " ".join(row["prompt"].lower().split()) not in train_exact, row["id"]
         shared = shingles(text) & train_shingles
         assert not shared, f"{row['id']} shares {sorted(shared)[:2]} with a training prompt"
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "{path}:2 is not UTF-8 text"),
+    (b"", "{path} is empty"),
+    (b'{"prompt": "ok"}\n{"prompt": "cut', "{path}:2 is not valid JSON"),
+])
+def test_a_bad_prompt_file_names_file_and_line(content, message, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(PromptSetError, match=message.format(path=path).replace("(", "\\(")):
+        load_prompt_set(str(path))
