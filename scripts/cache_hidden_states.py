@@ -2,6 +2,10 @@
 
     python scripts/cache_hidden_states.py --out cache/eagle3 head=eagle3 data=default
     accelerate launch train/main.py head=eagle3 data=default data.hidden_states=offline data.hidden_cache=cache/eagle3
+    accelerate launch --multi_gpu --num_processes 2 scripts/cache_hidden_states.py --out cache/eagle3 head=eagle3
+
+Under `accelerate launch` (or torchrun) every process computes its share of the examples and rank 0 writes
+one index at the end (gloo on CPU, NCCL on GPUs); only rank 0 validates and prints the report.
 
 Everything after the options is a training override (same as train/main.py), so the cache holds exactly
 the examples (data, train.max_length, seed) and hidden-state layers (the head's) that training will read,
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -76,6 +81,18 @@ def read_throughput(directory, target, layers, datasets, batch_size: int) -> flo
     return tokens / (time.perf_counter() - started)
 
 
+def distributed(device: str) -> tuple[int, int, object]:
+    """(rank, world size, barrier) of this process; the process group is started when launched as several."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, None
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return dist.get_rank(), world, dist.barrier
+
+
 def main(argv=None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
@@ -91,6 +108,9 @@ def main(argv=None) -> int:
         raise DataError("say where the cache goes: --out DIR (or data.hidden_cache=DIR)")
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else \
         ("cpu" if args.device == "auto" else args.device)
+    rank, world, barrier = distributed(device)
+    if device == "cuda" and world > 1:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
     target = load_target(OmegaConf.to_container(cfg.target, resolve=True), device=device)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else head_layers(cfg, target)
     data_cfg = dict(OmegaConf.to_container(cfg.data, resolve=True), hidden_states="online")  # the cache is built from the online target
@@ -99,7 +119,10 @@ def main(argv=None) -> int:
     meta = {"data": {"name": cfg.data.name, "source": cfg.data.source}, "max_length": cfg.train.max_length,
             "seed": cfg.train.seed, "head": cfg.head.kind}
     report = build_cache(out, target, list(datasets), layers, dtype, args.batch_size, args.shard_tokens, meta,
-                         logits=cfg.data.cache_logits, topk=cfg.data.logits_topk)
+                         progress=rank == 0, logits=cfg.data.cache_logits, topk=cfg.data.logits_topk, rank=rank,
+                         world_size=world, barrier=barrier)
+    if rank != 0:
+        return 0
     cache = HiddenStateCache(out, target, layers)
     report["validated_entries"] = min(args.validate, len(cache))
     report["max_relative_error"] = cache.validate(target, args.validate) if args.validate else None
