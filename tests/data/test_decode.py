@@ -78,3 +78,13 @@ def test_sampling_is_seeded(target, prompts):
                       top_p=0.9, generator=torch.Generator().manual_seed(seed)).tokens
 
     assert run(1) == run(1) and run(1) != run(2)
+
+
+def test_one_shared_prompt_is_prefilled_once_with_the_same_result(target, prompts):
+    """Rows with the same prompt (self-written prompts of a category) share one prefill."""
+    def run(rows, temperature):
+        return decode(target.model, rows, MAX_NEW, [], target.tokenizer.pad_token_id, temperature=temperature,
+                      generator=torch.Generator().manual_seed(3)).tokens
+
+    assert run([prompts[2]] * 3, 0.0) == run([prompts[2]], 0.0) * 3  # one row: no sharing
+    assert len({tuple(t) for t in run([prompts[2]] * 4, 1.0)}) > 1  # rows sample on their own

@@ -62,20 +62,22 @@ def candidate_rows(settings: SelfPromptSettings) -> list[dict]:
 
 @torch.no_grad()
 def write_candidates(target, todo: list[dict], settings: SelfPromptSettings, stop_ids: list[int]):
-    """Yield (rows with "prompt" and "finished", tokens written) one batch at a time."""
+    """Yield (rows with "prompt" and "finished", tokens written) one batch at a time; a batch holds one
+    category, so its prompt prefix is computed once for all rows."""
     from train.data.decode import decode
 
     tok = target.tokenizer
-    prefixes = {cat: user_turn_prefix(tok, hint) for cat, hint in CATEGORIES.items()}
-    for start in range(0, len(todo), settings.batch_size):
-        chunk = todo[start:start + settings.batch_size]
-        seed = settings.seed * 1_000_003 + zlib.crc32("|".join(r["id"] for r in chunk).encode())
-        out = decode(target.model, [prefixes[r["category"]] for r in chunk], settings.max_new_tokens, stop_ids,
-                     tok.pad_token_id, settings.temperature, settings.top_p,
-                     torch.Generator().manual_seed(seed))
-        rows = [dict(r, prompt=tok.decode(ids, skip_special_tokens=True).strip(), finished=fin, source="self")
-                for r, ids, fin in zip(chunk, out.tokens, out.finished)]
-        yield rows, sum(len(t) for t in out.tokens)
+    for cat, hint in CATEGORIES.items():
+        prefix = user_turn_prefix(tok, hint)
+        rows = [r for r in todo if r["category"] == cat]
+        for start in range(0, len(rows), settings.batch_size):
+            chunk = rows[start:start + settings.batch_size]
+            seed = settings.seed * 1_000_003 + zlib.crc32("|".join(r["id"] for r in chunk).encode())
+            out = decode(target.model, [prefix] * len(chunk), settings.max_new_tokens, stop_ids, tok.pad_token_id,
+                         settings.temperature, settings.top_p, torch.Generator().manual_seed(seed))
+            written = [dict(r, prompt=tok.decode(ids, skip_special_tokens=True).strip(), finished=fin, source="self")
+                       for r, ids, fin in zip(chunk, out.tokens, out.finished)]
+            yield written, sum(len(t) for t in out.tokens)
 
 
 def rejection(row: dict) -> str | None:
