@@ -98,7 +98,7 @@ def test_prepare_data_builds_the_default_set_with_its_cache(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, HEADWAY_CACHE=str(tmp_path)))
     assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout[done.stdout.index("{"):])
+    report = json.loads(done.stdout[done.stdout.index("{\n"):])  # the report: the last thing printed
     assert report["written"] == 3 and report["settings"]["sampled_fraction"] == 0.25  # conf/data/default.yaml
     assert len(read(tmp_path / "data" / report["output"].split("/")[-1])) == 3
     (cache,) = (tmp_path / "hidden").iterdir()
