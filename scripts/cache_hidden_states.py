@@ -2,6 +2,10 @@
 
     python scripts/cache_hidden_states.py head=eagle3 data=default data.hidden_cache=cache/eagle3
     accelerate launch train/main.py head=eagle3 data=default data.hidden_states=offline data.hidden_cache=cache/eagle3
+    accelerate launch --multi_gpu --num_processes 2 scripts/cache_hidden_states.py --out cache/eagle3 head=eagle3
+
+Under `accelerate launch` (or torchrun) every process computes its share of the examples and rank 0 writes
+one index at the end (gloo on CPU, NCCL on GPUs); only rank 0 validates and prints the report.
 
 The config is the training job's (conf/cache_hidden_states.yaml composes conf/train.yaml), so with the same
 overrides the cache holds exactly the examples (data, train.max_length, train.seed) and hidden-state layers
@@ -17,6 +21,7 @@ recomputed and compared, and bytes per token, write and read throughput are prin
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -80,6 +85,18 @@ def read_throughput(directory, target, layers, datasets, batch_size: int) -> flo
     return tokens / (time.perf_counter() - started)
 
 
+def distributed(device: str) -> tuple[int, int, object]:
+    """(rank, world size, barrier) of this process; the process group is started when launched as several."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, None
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return dist.get_rank(), world, dist.barrier
+
+
 def build(cfg) -> dict:
     """Build (or complete) the cache `cfg` describes, validate a sample, measure reading it back."""
     import torch
@@ -97,7 +114,11 @@ def build(cfg) -> dict:
         raise DataError(f"cache.dtype must be one of {', '.join(DTYPES)}, got {opts.dtype!r}")
     if min(opts.batch_size, opts.shard_tokens) < 1 or opts.validate < 0:
         raise DataError("cache.batch_size and cache.shard_tokens must be >= 1, cache.validate >= 0")
-    device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else "cpu"
+    device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else \
+        ("cpu" if cfg.device == "auto" else cfg.device)
+    rank, world, barrier = distributed(device)
+    if device == "cuda" and world > 1:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
     target = load_target(OmegaConf.to_container(cfg.target, resolve=True), device=device)
     check_fits_context(cfg.train.max_length, target.config)
     layers = list(opts.layers) if opts.layers else head_layers(cfg, target)
@@ -107,7 +128,10 @@ def build(cfg) -> dict:
     meta = {"data": {"name": cfg.data.name, "source": cfg.data.source}, "max_length": cfg.train.max_length,
             "seed": cfg.train.seed, "head": cfg.head.kind}
     report = build_cache(out, target, list(datasets), layers, dtype, opts.batch_size, opts.shard_tokens, meta,
-                         logits=cfg.data.cache_logits, topk=cfg.data.logits_topk)
+                         progress=rank == 0, logits=cfg.data.cache_logits, topk=cfg.data.logits_topk, rank=rank,
+                         world_size=world, barrier=barrier)
+    if rank != 0:
+        return report
     cache = HiddenStateCache(out, target, layers)
     report["validated_entries"] = min(opts.validate, len(cache))
     report["max_relative_error"] = cache.validate(target, opts.validate) if opts.validate else None

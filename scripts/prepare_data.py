@@ -1,12 +1,16 @@
 """Self-distillation: regenerate a dataset's assistant turns with the frozen target.
 
     python scripts/prepare_data.py                                  # build the embedded default (data=default)
+    python scripts/prepare_data.py default_set.regen.self_prompts=600 capture_head=eagle3   # a bigger one
     python scripts/prepare_data.py input=conv.jsonl output=distilled.jsonl generation.temperature=0.7
     python scripts/prepare_data.py input=HuggingFaceH4/ultrachat_200k split=train_sft \
         max_conversations=20000 output=ultrachat-distilled.jsonl target=llama-3.1-8b-instruct
 
-`input` holds prompts ({"prompt"} rows) or conversations (messages / ShareGPT); every user turn is answered
-by the target. The output is a messages-format JSONL (train on it with data.source=<output>) with the
+With input=builtin:default (and no output) it builds exactly what `data=default` builds on first use, with the
+settings of conf/data/default.yaml (override them as default_set.regen.*), and stores the features of the
+head kind `capture_head` (null: none) in the hidden-state cache training reads, in the same pass.
+Otherwise `input` holds prompts ({"prompt"} rows) or conversations (messages / ShareGPT); every user turn is
+answered by the target (settings: generation.*). The output is a messages-format JSONL (train on it with data.source=<output>) with the
 prompt, the response and provenance (target, sampling settings). Killed? Run the same command again: it
 keeps what was written and continues.
 """
@@ -46,6 +50,9 @@ class PrepareConfig:
     device: str = "auto"  # auto (GPU when present) | cpu
     target: TargetSpec = MISSING
     generation: GenerationSettings = field(default_factory=GenerationSettings)
+    default_set: DataConfig = field(default_factory=DataConfig)  # conf/data/default.yaml (input=builtin:default)
+    capture_head: Optional[str] = "eagle"  # builtin:default: cache the features this head kind reads (null: none)
+    max_length: int = 512  # train.max_length of the training that will read the captured features
 
 
 ConfigStore.instance().store(name="prepare_data_schema", node=PrepareConfig)
@@ -78,10 +85,8 @@ def prepare(cfg: PrepareConfig) -> dict:
     if cfg.input == "builtin:default" and not cfg.output:  # exactly what data=default builds on first use
         from train.data.default_set import ensure_default_dataset, report_path
 
-        regen = RegenConfig(target=cfg.target.path, target_name=cfg.target.name, num_prompts=cfg.max_conversations,
-                            max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                            batch_size=g.batch_size, seed=g.seed)
-        final = ensure_default_dataset(regen, device=device)
+        regen = RegenConfig(**{**vars(cfg.default_set.regen), "num_prompts": cfg.max_conversations})
+        final = ensure_default_dataset(regen, device, default_set_capture(cfg, regen, device))
         report = dict(json.loads(report_path(final).read_text()), output=str(final))
     else:
         if not cfg.output:
@@ -94,6 +99,25 @@ def prepare(cfg: PrepareConfig) -> dict:
         report = dict(regenerate(rows, target, final, g), output=str(final), skipped=skipped)
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
     return report
+
+
+def default_set_capture(cfg: PrepareConfig, regen: RegenConfig, device: str):
+    """The capture a later `train/main.py head=<capture_head>` on this target reads (None when off, or
+    when the target is not the one that writes the data)."""
+    if not cfg.capture_head or (cfg.target.path, cfg.target.name) != (regen.target, regen.target_name):
+        return None
+    from heads.base import build_head
+    from train.data.capture import capture_plan
+
+    head_conf = ROOT / "conf" / "head" / f"{cfg.capture_head}.yaml"
+    if not head_conf.is_file():
+        raise DataError(f"capture_head={cfg.capture_head!r} is unknown: use one of "
+                        f"{sorted(p.stem for p in head_conf.parent.glob('*.yaml'))} or null")
+    target = load_target(cfg.target, device=device)
+    options = OmegaConf.to_container(OmegaConf.load(head_conf).get("options") or {}, resolve=True)
+    layers = build_head(cfg.capture_head, target, **options).feature_layers()
+    data = cfg.default_set
+    return capture_plan(DataConfig(**{**vars(data), "hidden_states": "offline"}), target, layers, cfg.max_length)
 
 
 @hydra.main(config_path="../conf", config_name="prepare_data", version_base="1.3")

@@ -33,6 +33,7 @@ from train.checkpoints import load_checkpoint, resume_point, run_identity, save_
 from train.config import ConfigError, TrainingError, check_config, check_fits_context
 from train.data import build_datasets, collate_fn, make_feature_source, token_counts
 from train.data.batching import LengthGroupedBatches, example_lengths
+from train.data.capture import capture_plan
 from train.metrics import MetricsLog
 
 log = get_logger(__name__)
@@ -168,11 +169,13 @@ def with_hidden_cache(data_cfg, accelerator: Accelerator, target, datasets, laye
     from train.data.hidden_cache import auto_cache_dir, build_cache
 
     directory = auto_cache_dir(target, layers, data_cfg.cache_logits, data_cfg.logits_topk)
+    # every rank computes its share of what is missing (what data generation did not capture)
+    stats = build_cache(directory, target, datasets, sorted(set(layers) | {target.num_layers}),
+                        logits=data_cfg.cache_logits, topk=data_cfg.logits_topk, rank=accelerator.process_index,
+                        world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
+                        progress=accelerator.is_main_process)
     if accelerator.is_main_process:
-        stats = build_cache(directory, target, datasets, sorted(set(layers) | {target.num_layers}),
-                            logits=data_cfg.cache_logits, topk=data_cfg.logits_topk)
         log.info("hidden-state cache %s: %s", directory, stats)
-    accelerator.wait_for_everyone()
     data_cfg = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))
     data_cfg.hidden_cache = str(directory)
     return data_cfg
@@ -184,10 +187,12 @@ def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
     t = cfg.train
     target = load_frozen_target(accelerator, cfg)
     check_fits_context(t.max_length, target.config)
-    train_ds, val_ds = build_datasets(cfg.data, target.tokenizer, t.max_length, t.seed,
-                                      main_process_first=accelerator.main_process_first)
     set_seed(t.seed)  # the same head initialisation on every rank
     head = build_head(cfg.head.kind, target, **OmegaConf.to_container(cfg.head.options, resolve=True))
+    # data generated here (data=default on first use) stores the head's features in the cache on the way
+    capture = capture_plan(cfg.data, target, head.feature_layers(), t.max_length)
+    train_ds, val_ds = build_datasets(cfg.data, target.tokenizer, t.max_length, t.seed,
+                                      main_process_first=accelerator.main_process_first, capture=capture)
     head.token_counts = token_counts(train_ds, target.config.vocab_size)  # saved: the draft vocabulary
     head.init_from_data(head.token_counts)
     data_cfg = with_hidden_cache(cfg.data, accelerator, target, [train_ds, val_ds], head.feature_layers())

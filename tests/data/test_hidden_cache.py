@@ -303,3 +303,51 @@ def test_validation_catches_wrong_stored_logits(name, field, change, target, log
     cache = HiddenStateCache(bad, target, LAYERS)
     with pytest.raises(HiddenCacheError, match="cached logits differ from target"):
         cache.validate(target, samples=len(cache))
+
+
+# ------------------------------------------------------------------ distributed build (gloo, 2 processes)
+
+def test_two_process_build_equals_one_process_build(target, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2`: each rank caches its share, rank 0 writes one
+    index; the result holds the same entries with the same features as the one-process cache."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    def run(launcher, out):
+        cmd = launcher + ["scripts/cache_hidden_states.py", "--out", str(out), "--validate", "2",
+                          "--shard-tokens", "700", "head=eagle3", "experiment=smoke"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        return read_index(out)
+
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    one = run([sys.executable], tmp_path / "one")
+    two = run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no"], tmp_path / "two")
+    assert two["layers"] == one["layers"] and len(two["shards"]) > 1
+    assert not list((tmp_path / "two").glob(".part-*"))  # the parts were moved into the one index
+
+    def features(directory, index):
+        out = {}
+        for shard in index["shards"]:
+            tensors = load_file(str(directory / shard["file"]))
+            with safe_open(str(directory / shard["file"]), "pt") as f:
+                keys = json.loads(f.metadata()["keys"])
+            bounds = tensors["offsets"].tolist()
+            for row, key in enumerate(keys):
+                out[key] = {name: t[bounds[row]:bounds[row + 1]] for name, t in tensors.items() if name != "offsets"}
+        return out
+
+    a, b = features(tmp_path / "one", one), features(tmp_path / "two", two)
+    assert set(a) == set(b) and len(a) == 64
+    for key in a:
+        assert torch.equal(a[key]["input_ids"], b[key]["input_ids"])
+        for name in a[key]:  # batches differ (other rows, other padding): float rounding only
+            err = (a[key][name] - b[key][name]).norm() / a[key][name].norm()
+            assert err < 1e-5, (key, name, float(err))

@@ -85,3 +85,24 @@ def test_prepare_data_bad_input_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="output=<file.jsonl> is required"):
         script.prepare(cfg)
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_prepare_data_builds_the_default_set_with_its_cache(tmp_path):
+    """input=builtin:default: the settings of conf/data/default.yaml (overridable as default_set.regen.*),
+    and the features head=eagle reads captured into the training cache."""
+    import os
+
+    cmd = [sys.executable, "scripts/prepare_data.py", "target=tiny-random", "max_conversations=3",
+           "default_set.regen.target=tiny-random", "default_set.regen.target_name=tiny-random",
+           "default_set.regen.self_prompts=0", "default_set.regen.max_new_tokens=4", "capture_head=eagle"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, HEADWAY_CACHE=str(tmp_path)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout[done.stdout.index("{\n"):])  # the report: the last thing printed
+    assert report["written"] == 3 and report["settings"]["sampled_fraction"] == 0.25  # conf/data/default.yaml
+    assert len(read(tmp_path / "data" / report["output"].split("/")[-1])) == 3
+    (cache,) = (tmp_path / "hidden").iterdir()
+    assert cache.name.endswith("-L4")  # eagle reads the last hidden state of the 4-layer tiny target
+    bad = subprocess.run(cmd[:-1] + ["capture_head=nope"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, HEADWAY_CACHE=str(tmp_path / "other")))
+    assert bad.returncode == 2 and "capture_head='nope' is unknown" in bad.stderr.strip().splitlines()[-1]

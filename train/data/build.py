@@ -48,14 +48,16 @@ class DataStats:
 
 # ---------------------------------------------------------------------------------------- loading
 
-def resolve_source(cfg: DataConfig) -> str:
-    """builtin:* names -> a local file (building the default set on first use)."""
+def resolve_source(cfg: DataConfig, capture=None) -> str:
+    """builtin:* names -> a local file (building the default set on first use, with the hidden states of
+    `capture` (train.data.capture.FeatureCapture) stored on the way)."""
     if cfg.source == "builtin:tiny":
         return str(BUILTIN_DIR / "tiny.jsonl")
     if cfg.source == "builtin:default":
         from train.data.default_set import ensure_default_dataset
 
-        return str(ensure_default_dataset(cfg.regen))
+        device = next(capture.target.model.parameters()).device if capture and capture.target else "cpu"
+        return str(ensure_default_dataset(cfg.regen, device, capture))
     if cfg.source.startswith("builtin:"):
         raise DataError(f"unknown built-in dataset {cfg.source!r}: use builtin:tiny or builtin:default")
     return cfg.source
@@ -180,16 +182,17 @@ def split_sizes(n: int, cfg: DataConfig) -> int:
 
 
 def build_datasets(data_cfg, tokenizer, max_length: int, seed: int = 0, main_process_first=None,
-                   return_stats: bool = False):
+                   return_stats: bool = False, capture=None):
     """Build (train_ds, val_ds) [+ DataStats]. `main_process_first` is `accelerator.main_process_first`
-    (or any context manager / factory of one): rank 0 tokenises first, the other ranks reuse its cache."""
+    (or any context manager / factory of one): rank 0 tokenises first, the other ranks reuse its cache.
+    `capture` (train.data.capture.capture_plan): where a dataset generated here stores its hidden states."""
     cfg = as_data_config(data_cfg)
     check_data_config(cfg)
     if max_length < 2:
         raise DataError(f"max_length={max_length} must be >= 2")
     guard = main_process_first() if callable(main_process_first) else main_process_first
     with guard or contextlib.nullcontext():
-        raw = load_raw(cfg, resolve_source(cfg))
+        raw = load_raw(cfg, resolve_source(cfg, capture))
         if cfg.max_conversations is not None and cfg.max_conversations < len(raw):
             raw = raw.shuffle(seed=seed).select(range(cfg.max_conversations))
         kept, reasons = tokenize_dataset(raw, tokenizer, cfg, max_length)

@@ -21,8 +21,14 @@ class RegenConfig:
     max_new_tokens: int = 160
     temperature: float = 0.0  # 0 = greedy: the target's own most likely response
     top_p: float = 1.0
+    sampled_fraction: float = 1.0  # with temperature > 0: share of the prompts sampled (the rest greedy)
     batch_size: int = 16
     seed: int = 0
+    self_prompts: int = 0  # prompts the target writes itself, per category (train/data/self_prompts.py)
+    self_prompt_oversample: float = 1.5  # candidates written per prompt kept (filters drop the rest)
+    self_prompt_max_new_tokens: int = 64
+    self_prompt_temperature: float = 1.0
+    self_prompt_top_p: float = 0.95
 
 
 @dataclass

@@ -63,6 +63,12 @@ def batch_keys(input_ids: Tensor, attention_mask: Tensor) -> list[str]:
     return [row_key(input_ids[b, :n]) for b, n in enumerate(lengths)]
 
 
+def unwritable_cache(directory: Path, exc: OSError) -> "HiddenCacheError":
+    return HiddenCacheError(f"cannot write the hidden-state cache {directory}: {exc.strerror or exc}; free some "
+                            f"space or point HEADWAY_CACHE (or data.hidden_cache) at a writable folder, then run "
+                            f"again (finished shards are kept)")
+
+
 def _spec_identity(spec: dict) -> dict:
     return {k: spec.get(k) for k in SPEC_KEYS}
 
@@ -159,7 +165,10 @@ class CacheWriter:
         if logits.get("k", 0) > cfg.vocab_size:
             raise HiddenCacheError(f"logits_topk={logits['k']} exceeds the target's vocabulary ({cfg.vocab_size}): "
                                    f"use a smaller k or data.cache_logits=full")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise unwritable_cache(self.dir, exc) from None
         self.dtype, self.shard_tokens = dtype, shard_tokens
         fresh = {"format": CACHE_FORMAT, "target": target.spec.to_dict(), "num_layers": cfg.num_hidden_layers,
                  "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
@@ -196,10 +205,16 @@ class CacheWriter:
 
     def flush(self) -> None:
         """Write the pending examples as one shard (temp file, rename), then the index (same)."""
-        from safetensors.torch import save_file
-
         if not self.pending:
             return
+        try:
+            self._write_shard()
+        except OSError as exc:
+            raise unwritable_cache(self.dir, exc) from None
+
+    def _write_shard(self) -> None:
+        from safetensors.torch import save_file
+
         n = len(self.index["shards"])
         name = f"shard-{n:05d}.safetensors"
         lengths = torch.tensor([len(ids) for _, ids, _ in self.pending])
@@ -219,25 +234,81 @@ class CacheWriter:
         write_json_atomic(self.dir / INDEX, self.index, indent=None)
         self.pending, self.pending_tokens = [], 0
 
+    def adopt_parts(self) -> None:
+        """Move the shards of the part directories of a distributed build into this cache (shard by shard:
+        move, this index, the part's index, so a kill at any point loses no entry and lists no missing file)."""
+        for part in sorted(self.dir.glob(".part-*")):
+            if (part / INDEX).is_file():
+                index = read_index(part)
+                while index["shards"]:
+                    shard = index["shards"][0]
+                    if (part / shard["file"]).is_file():
+                        n = len(self.index["shards"])
+                        name = f"shard-{n:05d}.safetensors"
+                        os.replace(part / shard["file"], self.dir / name)
+                        self.index["shards"].append(dict(shard, file=name))
+                        write_json_atomic(self.dir / INDEX, self.index, indent=None)
+                    index["shards"].pop(0)
+                    write_json_atomic(part / INDEX, index, indent=None)
+            for leftover in part.iterdir():  # an index with no shards left, temp files of a killed write
+                leftover.unlink()
+            part.rmdir()
+        self.entries = read_entries(self.dir, self.index)
+
 
 def build_cache(directory, target, datasets, layers: list[int], dtype: torch.dtype | None = None,
                 batch_size: int = 8, shard_tokens: int = 1 << 18, meta: dict | None = None,
-                progress: bool = True, logits: str = "none", topk: int = 64) -> dict:
+                progress: bool = True, logits: str = "none", topk: int = 64, rank: int = 0, world_size: int = 1,
+                barrier=None) -> dict:
     """Run the target over every example of `datasets` (tokenised, items with input_ids/loss_mask) not yet
     cached and store its hidden states (and its logits: `logits` none | topk (`topk` per token) | full).
+    Distributed (world_size > 1; every rank calls it with the same datasets, `barrier` a collective wait):
+    each rank computes every world_size-th missing example into its own part directory, then rank 0 moves
+    the parts' shards into the cache under one index.
     Returns {"entries", "new_entries", "tokens", "bytes", "bytes_per_token", "logits",
     "hidden_bytes_per_token", "logits_bytes_per_token", "seconds", "tokens_per_s"}."""
-    from tqdm.auto import tqdm
-
     model = target.model
     dtype = dtype or next(model.parameters()).dtype
     ident = logits_identity(logits, topk)
-    writer = CacheWriter(directory, target, layers, dtype, shard_tokens, meta or {}, ident)
-    with_logits = ident["mode"] != "none"
-    todo = _uncached(datasets, writer)  # (length, key, dataset, row), shortest first: little padding
+
+    def writer_in(path: Path) -> CacheWriter:
+        return CacheWriter(path, target, layers, dtype, shard_tokens, meta or {}, ident)
+
+    if rank == 0:
+        writer_in(directory).adopt_parts()  # parts a killed distributed build left behind
+    if world_size > 1:
+        barrier()
+    main = writer_in(directory)
+    todo = _uncached(datasets, main)[rank::world_size]  # (length, key, dataset, row), shortest first
+    writer = writer_in(part_dir(directory, rank)) if world_size > 1 else main
+    todo = [t for t in todo if t[1] not in writer]
+    started = time.perf_counter()
+    new_tokens = _compute(writer, target, datasets, todo, batch_size, ident["mode"] != "none", progress)
+    seconds = time.perf_counter() - started
+    if world_size > 1:
+        barrier()
+        if rank == 0:
+            main.adopt_parts()
+        barrier()
+        main = writer_in(directory)
+    index = main.index
+    tokens = sum(s["tokens"] for s in index["shards"])
+    size = sum(s["bytes"] for s in index["shards"])
+    return {"entries": len(main.entries), "new_entries": len(todo), "tokens": tokens, "bytes": size,
+            "bytes_per_token": round(size / max(tokens, 1), 1), "logits": describe_logits(ident),
+            **bytes_per_token(index), "seconds": round(seconds, 2),
+            "tokens_per_s": round(new_tokens / seconds, 1) if todo else None}
+
+
+def _compute(writer: CacheWriter, target, datasets, todo, batch_size: int, with_logits: bool,
+             progress: bool) -> int:
+    """Features of the `todo` examples into the writer, a batch at a time; -> tokens computed."""
+    from tqdm.auto import tqdm
+
+    model = target.model
     collate = collate_fn(target.tokenizer.pad_token_id or 0)
     device = next(model.parameters()).device
-    started, new_tokens = time.perf_counter(), 0
+    new_tokens = 0
     bar = tqdm(total=sum(n for n, *_ in todo), desc="caching hidden states", unit="tok", disable=not progress)
     for start in range(0, len(todo), batch_size):
         chunk = todo[start:start + batch_size]
@@ -252,14 +323,12 @@ def build_cache(directory, target, datasets, layers: list[int], dtype: torch.dty
         bar.update(sum(n for n, *_ in chunk))
     writer.flush()
     bar.close()
-    seconds = time.perf_counter() - started
-    index = writer.index
-    tokens = sum(s["tokens"] for s in index["shards"])
-    size = sum(s["bytes"] for s in index["shards"])
-    return {"entries": len(writer.entries), "new_entries": len(todo), "tokens": tokens, "bytes": size,
-            "bytes_per_token": round(size / max(tokens, 1), 1), "logits": describe_logits(ident),
-            **bytes_per_token(index), "seconds": round(seconds, 2),
-            "tokens_per_s": round(new_tokens / seconds, 1) if todo else None}
+    return new_tokens
+
+
+def part_dir(directory, rank: int) -> Path:
+    """Where rank `rank` of a distributed build writes its share (inside the cache, hidden)."""
+    return Path(directory) / f".part-{rank}"
 
 
 def bytes_per_token(index: dict) -> dict:

@@ -1,9 +1,12 @@
 """Self-distillation: rewrite every assistant turn of a conversation set with the frozen target itself.
 
-Conversations are processed in batches (left-padded HF `generate`); a multi-turn conversation is replayed
+Conversations are processed in batches (train.data.decode: one left-padded prefill, then batched decoding
+through the KV cache, finished rows leaving the batch); greedy and sampled rows (a fixed share, by id) go in
+separate batches and each output row says which it got ("sampled"). A multi-turn conversation is replayed
 round by round, each user turn answered by the target given its own earlier answers. Finished
-conversations are appended to the output JSONL as they complete (flushed and fsynced), so a killed run
-keeps them and the next run continues with the rest.
+conversations are appended to the output JSONL a batch at a time (flushed and fsynced), so a killed run
+keeps them and the next run continues with the rest. With a capture (train.data.capture) the hidden
+states of each conversation go into the hidden-state cache in the same pass.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +22,7 @@ from pathlib import Path
 import torch
 
 from heads.files import write_text_atomic
+from train.data.config import DataError
 from train.data.conversations import BadRow, end_of_turn_markers, normalize
 
 log = logging.getLogger(__name__)
@@ -27,8 +32,9 @@ REGEN_VERSION = 1
 @dataclass
 class GenerationSettings:
     max_new_tokens: int = 160
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = every reply greedy
     top_p: float = 1.0
+    sampled_fraction: float = 1.0  # with temperature > 0: this share of the rows (by id) sampled, the rest greedy
     batch_size: int = 16
     seed: int = 0
 
@@ -52,7 +58,7 @@ def prompt_rows(rows, fmt: str = "auto") -> tuple[list[dict], dict[str, int]]:
             skipped[bad.reason] = skipped.get(bad.reason, 0) + 1
             continue
         out.append({"id": str(row.get("id") or f"row-{i}"), "category": row.get("category") or "",
-                     "turns": turns})
+                    "source": row.get("source") or "", "turns": turns})
     return out, skipped
 
 
@@ -68,72 +74,136 @@ def done_ids(path: Path) -> set[str]:
     return ids
 
 
-def _drop_torn_tail(path: Path) -> None:
-    if path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
-        text = path.read_text()
-        write_text_atomic(path, text[: text.rfind("\n") + 1])
+class JsonlSink:
+    """Append-only JSONL of rows with an "id", written a batch at a time (flushed and fsynced), so a killed
+    run keeps every complete batch and the next run continues with the rest. A full disk or a read-only
+    folder is a DataError."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.is_file() and self.path.stat().st_size and not self.path.read_bytes().endswith(b"\n"):
+                text = self.path.read_text()  # a torn last line: drop it, it is written again
+                write_text_atomic(self.path, text[: text.rfind("\n") + 1])
+            self.file = open(self.path, "a")
+        except OSError as exc:
+            raise unwritable(self.path, exc) from None
+        self.done = done_ids(self.path)
+
+    def write(self, rows: list[dict]) -> None:
+        try:
+            self.file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as exc:
+            raise unwritable(self.path, exc) from None
+        self.done.update(r["id"] for r in rows)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def unwritable(path: Path, exc: OSError) -> DataError:
+    return DataError(f"cannot write {path}: {exc.strerror or exc}; free some space or point HEADWAY_CACHE "
+                     f"(or the output path) at a writable folder, then run again (it resumes)")
+
+
+class ProgressBar:
+    """Conversations done, with generated tokens/s and the ETA."""
+
+    def __init__(self, total: int, initial: int, desc: str, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="conv", disable=not enabled)
+        self.tokens, self.started = 0, time.perf_counter()
+
+    def update(self, rows: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.bar.set_postfix_str(f"{self.tokens / (time.perf_counter() - self.started):.0f} tok/s", refresh=False)
+        self.bar.update(rows)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    return sorted({tokenizer.convert_tokens_to_ids(m) for m in end_of_turn_markers(tokenizer)}
+                  - {None, tokenizer.unk_token_id})
+
+
+def is_sampled(row_id: str, settings: GenerationSettings) -> bool:
+    """Whether a row's replies are sampled (else greedy): a fixed share of the rows, chosen by id."""
+    return settings.temperature > 0 and zlib.crc32(row_id.encode()) % 10_000 < settings.sampled_fraction * 10_000
 
 
 @torch.no_grad()
-def generate_replies(target, conversations: list[list[dict]], settings: GenerationSettings,
-                     seed: int) -> list[tuple[str, bool, int]]:
+def generate_replies(target, conversations: list[list[dict]], settings: GenerationSettings, seed: int,
+                     sampled: bool = True, tap=None) -> list[tuple[str, bool, int]]:
     """One reply per conversation (each ends with a user turn) -> [(text, finished before the limit,
-    tokens generated incl. the end-of-turn token)]."""
-    tok, model = target.tokenizer, target.model
+    tokens generated incl. the end-of-turn token)]; greedy unless `sampled` and temperature > 0."""
+    from train.data.decode import decode
+
+    tok = target.tokenizer
     texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
-    side, tok.padding_side = tok.padding_side, "left"
-    try:
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    finally:
-        tok.padding_side = side
-    stop_ids = sorted({tok.convert_tokens_to_ids(m) for m in end_of_turn_markers(tok)} - {None, tok.unk_token_id})
-    sampling = dict(do_sample=True, temperature=settings.temperature, top_p=settings.top_p) \
-        if settings.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        out = model.generate(**enc, max_new_tokens=settings.max_new_tokens, eos_token_id=stop_ids,
-                             pad_token_id=tok.pad_token_id, **sampling)
-    new = out[:, enc["input_ids"].shape[1]:]  # [B, <=max_new_tokens]
-    is_stop = torch.isin(new, torch.tensor(stop_ids, device=new.device))  # [B, n]
-    finished = is_stop.any(1)  # [B]
-    lengths = torch.where(finished, is_stop.int().argmax(1) + 1, new.shape[1])  # [B]
-    replies = tok.batch_decode(new, skip_special_tokens=True)
-    return [(r.strip(), bool(f), int(n)) for r, f, n in zip(replies, finished.tolist(), lengths.tolist())]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    temperature = settings.temperature if sampled else 0.0
+    out = decode(target.model, prompts, settings.max_new_tokens, stop_token_ids(tok), tok.pad_token_id,
+                 temperature, settings.top_p, torch.Generator().manual_seed(seed), tap)
+    replies = tok.batch_decode(out.tokens, skip_special_tokens=True)
+    return [(r.strip(), f, len(t)) for r, f, t in zip(replies, out.finished, out.tokens)]
+
+
+def batches(rows: list[dict], settings: GenerationSettings) -> list[tuple[list[dict], bool]]:
+    """Greedy and sampled rows in separate batches, each of similar prompt lengths (little padding)."""
+    out = []
+    for sampled in (False, True):
+        group = sorted((r for r in rows if is_sampled(r["id"], settings) == sampled),
+                       key=lambda r: sum(len(m["content"]) for m in r["turns"]))
+        out += [(group[i:i + settings.batch_size], sampled) for i in range(0, len(group), settings.batch_size)]
+    return out
 
 
 def regenerate(rows: list[dict], target, out_path: Path, settings: GenerationSettings,
-               progress: bool = True) -> dict:
+               progress: bool = True, capture=None) -> dict:
     """Answer every user turn of `rows` (from prompt_rows) with the target; append finished conversations
-    to out_path. Returns counts: {"written", "resumed", "unfinished_turns", "generated_tokens"}."""
-    from tqdm.auto import tqdm
+    to out_path. `capture` (train.data.capture.FeatureCapture): store the hidden states of the
+    conversations written in that cache too. Returns counts: {"written", "resumed", "unfinished_turns",
+    "generated_tokens", "sampled", "captured"}."""
+    from train.data.capture import CaptureSession
 
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    _drop_torn_tail(out_path)
-    done = done_ids(out_path)
-    todo = sorted((r for r in rows if r["id"] not in done), key=lambda r: len(r["turns"][-1]["content"]))
+    sink = JsonlSink(out_path)
+    todo = [r for r in rows if r["id"] not in sink.done]
+    session = CaptureSession(capture, target) if capture else None
     provenance = {"target": target.spec.name, "target_path": target.spec.path, "regen_version": REGEN_VERSION,
                   **{k: v for k, v in asdict(settings).items() if k != "batch_size"}}
-    stats = {"written": 0, "resumed": len(rows) - len(todo), "unfinished_turns": 0, "generated_tokens": 0}
-    bar = tqdm(total=len(rows), initial=stats["resumed"], desc="regenerating", unit="conv", disable=not progress)
-    with open(out_path, "a") as sink:
-        for start in range(0, len(todo), settings.batch_size):
-            chunk = todo[start:start + settings.batch_size]
-            seed = settings.seed * 1_000_003 + zlib.crc32("|".join(r["id"] for r in chunk).encode())
-            for row, (messages, finished, n_tokens) in zip(chunk, _replay(target, chunk, settings, seed)):
-                stats["unfinished_turns"] += finished.count(False)
-                stats["generated_tokens"] += n_tokens
-                sink.write(json.dumps(_output_row(row, messages, finished, provenance), ensure_ascii=False) + "\n")
-                stats["written"] += 1
-            sink.flush()
-            os.fsync(sink.fileno())
-            bar.update(len(chunk))
+    stats = {"written": 0, "resumed": len(rows) - len(todo), "unfinished_turns": 0, "generated_tokens": 0,
+             "sampled": 0, "captured": 0}
+    bar = ProgressBar(len(rows), stats["resumed"], "answering prompts", progress)
+    for chunk, sampled in batches(todo, settings):
+        seed = settings.seed * 1_000_003 + zlib.crc32("|".join(r["id"] for r in chunk).encode())
+        results = _replay(target, chunk, settings, seed, sampled, session)
+        out = []
+        for row, (messages, finished, n_tokens) in zip(chunk, results):
+            stats["unfinished_turns"] += finished.count(False)
+            stats["generated_tokens"] += n_tokens
+            out.append(_output_row(row, messages, finished, sampled, provenance))
+        if session:
+            session.flush()  # the cache entries first: a kill between the two only costs recomputing them
+        sink.write(out)
+        stats["written"] += len(out)
+        stats["sampled"] += len(out) if sampled else 0
+        bar.update(len(chunk), sum(n for *_, n in results))
     bar.close()
+    sink.close()
+    stats["captured"] = session.captured if session else 0
     return stats
 
 
-def _replay(target, chunk: list[dict], settings: GenerationSettings, seed: int):
-    """Round r answers the r-th user turn of every conversation that has one, given earlier answers."""
+def _replay(target, chunk: list[dict], settings: GenerationSettings, seed: int, sampled: bool, session):
+    """Round r answers the r-th user turn of every conversation that has one, given earlier answers; the
+    last round of each conversation is captured when a session is given."""
     history = [[] for _ in chunk]
     finished = [[] for _ in chunk]
     n_tokens = [0 for _ in chunk]
@@ -146,7 +216,9 @@ def _replay(target, chunk: list[dict], settings: GenerationSettings, seed: int):
             if turns:
                 history[i].append(turns.pop(0))
                 active.append(i)
-        replies = generate_replies(target, [history[i] for i in active], settings, seed + rnd)
+        convs = [history[i] for i in active]
+        tap = session.tap([list(h) if not pending[i] else None for i, h in zip(active, convs)]) if session else None
+        replies = generate_replies(target, convs, settings, seed + rnd, sampled, tap)
         for i, (text, done, n) in zip(active, replies):
             history[i].append({"role": "assistant", "content": text})
             finished[i].append(done)
@@ -154,8 +226,8 @@ def _replay(target, chunk: list[dict], settings: GenerationSettings, seed: int):
     return list(zip(history, finished, n_tokens))
 
 
-def _output_row(row: dict, messages: list[dict], finished: list[bool], provenance: dict) -> dict:
+def _output_row(row: dict, messages: list[dict], finished: list[bool], sampled: bool, provenance: dict) -> dict:
     first_user = next(m["content"] for m in messages if m["role"] == "user")
     return {"id": row["id"], "category": row["category"], "prompt": first_user,
             "response": messages[-1]["content"], "messages": messages, "finished": all(finished),
-            "provenance": provenance}
+            "sampled": sampled, "source": row.get("source", ""), "provenance": provenance}

@@ -1,0 +1,90 @@
+"""Batched decoding for data generation: the same tokens as HF generate, and captured hidden states equal
+to a teacher-forced forward over the training ids."""
+
+import pytest
+import torch
+
+from heads.base import compute_features
+from heads.target import load_target
+from train.data.decode import Tap, decode
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target({"path": "tiny-random", "name": "tiny-random"})
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    tok = target.tokenizer
+    texts = [tok.apply_chat_template([{"role": "user", "content": "ab" * k + "?"}], tokenize=False,
+                                     add_generation_prompt=True) for k in range(1, 7)]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def frequent_stop(target, prompts):
+    """A token the tiny model emits mid-reply in some rows but not all: rows then stop at different steps."""
+    tok = target.tokenizer
+    first = decode(target.model, prompts, MAX_NEW, [], tok.pad_token_id).tokens
+    counts = torch.bincount(torch.tensor([t for row in first for t in row[2:]]))
+    return [int(counts.argmax()), tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def hf_generate(target, prompt, stop):
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
+                                eos_token_id=stop, pad_token_id=target.tokenizer.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_decoding_equals_hf_generate_row_by_row(target, prompts):
+    stop = frequent_stop(target, prompts)
+    got = decode(target.model, prompts, MAX_NEW, stop, target.tokenizer.pad_token_id)
+    assert len(set(map(len, got.tokens))) > 1  # rows left the batch at different steps
+    for p, tokens, finished in zip(prompts, got.tokens, got.finished):
+        ref = hf_generate(target, p, stop)
+        ref = ref[:next((i + 1 for i, t in enumerate(ref) if t in stop), len(ref))]  # generate pads after
+        assert tokens == ref
+        assert finished == (tokens[-1] in stop)
+
+
+def test_captured_hidden_states_equal_a_teacher_forced_forward(target, prompts):
+    stop = frequent_stop(target, prompts)
+    glue = target.tokenizer("\n", add_special_tokens=False)["input_ids"]
+    captured = {}
+
+    def training_ids(b, new, finished):  # reply + end of turn + template glue, as a chat template renders
+        if b == 2:
+            return None  # not captured
+        if b == 3:
+            return prompts[b][:-1] + [0]  # does not extend what was fed: not captured
+        return prompts[b] + new + ([] if finished else [stop[-1]]) + glue
+
+    tap = Tap([1, 4], training_ids, lambda b, ids, hidden: captured.setdefault(b, (ids, hidden)))
+    got = decode(target.model, prompts, MAX_NEW, stop, target.tokenizer.pad_token_id, tap=tap)
+    assert sorted(captured) == [0, 1, 4, 5] and got.captured == 4
+    for b, (ids, hidden) in captured.items():
+        assert ids.tolist() == training_ids(b, got.tokens[b], got.finished[b])
+        ref = compute_features(target.model, ids[None], None, [1])
+        for i in (1, 4):
+            err = (hidden[i] - ref.hidden_states[i][0]).norm() / ref.hidden_states[i][0].norm()
+            assert err < 1e-5, (b, i, float(err))  # float rounding only (the cache checks 1e-4)
+
+
+def test_sampling_is_seeded(target, prompts):
+    def run(seed):
+        return decode(target.model, prompts, MAX_NEW, [], target.tokenizer.pad_token_id, temperature=1.0,
+                      top_p=0.9, generator=torch.Generator().manual_seed(seed)).tokens
+
+    assert run(1) == run(1) and run(1) != run(2)
+
+
+def test_one_shared_prompt_is_prefilled_once_with_the_same_result(target, prompts):
+    """Rows with the same prompt (self-written prompts of a category) share one prefill."""
+    def run(rows, temperature):
+        return decode(target.model, rows, MAX_NEW, [], target.tokenizer.pad_token_id, temperature=temperature,
+                      generator=torch.Generator().manual_seed(3)).tokens
+
+    assert run([prompts[2]] * 3, 0.0) == run([prompts[2]], 0.0) * 3  # one row: no sharing
+    assert len({tuple(t) for t in run([prompts[2]] * 4, 1.0)}) > 1  # rows sample on their own

@@ -1,0 +1,122 @@
+"""The default dataset built in one pass: prompts (written, stdlib, self-written), greedy and sampled replies,
+and the hidden-state cache training reads, filled during generation; clear errors when nothing can be written."""
+
+import json
+
+import pytest
+import torch
+
+from heads.target import load_target
+from train.data import DataConfig, DataError, build_datasets
+from train.data.capture import capture_plan
+from train.data.config import RegenConfig
+from train.data.hidden_cache import HiddenStateCache, build_cache
+from train.data.overlap import OverlapIndex, evaluation_prompts
+from train.data.regenerate import JsonlSink
+from train.data.self_prompts import CATEGORIES, select_prompts, user_turn_prefix
+
+LAYERS = [2, 4]  # an eagle3-like head on the tiny target (4 layers): aux layer 2 and the last one
+REGEN = dict(target="tiny-random", target_name="tiny-random", num_prompts=10, max_new_tokens=8, batch_size=5,
+             temperature=0.8, sampled_fraction=0.5, self_prompts=1, self_prompt_max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def target():
+    """The tiny random target writing printable ASCII only: its replies decode to text that re-tokenises
+    to the same bytes (random bytes would decode to U+FFFD and be skipped by the capture)."""
+    target = load_target({"path": "tiny-random", "name": "tiny-random"})
+    tok, head = target.tokenizer, target.model.lm_head.weight
+    printable = [i for i in range(len(tok)) if len(s := tok.decode([i])) == 1 and "!" <= s <= "~"]
+    with torch.no_grad():
+        rows = head[printable] * 10  # the others' logits are 0: far below the best printable one
+        head.zero_()
+        head[printable] = rows
+    return target
+
+
+def default_cfg(tmp_path, **regen):
+    return DataConfig(name="default", source="builtin:default", format="messages", hidden_states="offline",
+                      val_size=3, cache_dir=str(tmp_path / "hf"), regen=RegenConfig(**{**REGEN, **regen}))
+
+
+def test_generation_fills_the_cache_training_reads(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    cfg = default_cfg(tmp_path)
+    capture = capture_plan(cfg, target, LAYERS, 96)
+    train_ds, val_ds = build_datasets(cfg, target.tokenizer, 96, capture=capture)
+    # the cache pass training runs next finds every example already there: one pass, not two
+    stats = build_cache(capture.directory, target, [train_ds, val_ds], LAYERS, progress=False)
+    assert stats["new_entries"] == 0 and stats["entries"] == len(train_ds) + len(val_ds) == 10
+    cache = HiddenStateCache(capture.directory, target, LAYERS)
+    assert cache.validate(target, samples=len(cache)) < 1e-4  # the cache's own recompute check
+    data = next((tmp_path / "cache" / "data").glob("default-tiny-random-*[0-9a-f].jsonl"))
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert {r["sampled"] for r in rows} == {True, False}  # greedy and sampled, recorded per row
+    assert {r["source"] for r in rows} == {"written"}
+    report = json.loads(data.with_name(data.name + ".report.json").read_text())
+    assert report["captured"] == 10 and report["sampled"] == sum(r["sampled"] for r in rows)
+
+
+def test_no_capture_when_another_model_writes_the_data(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    other = load_target({"path": "tiny-random", "name": "tiny-random", "seed": 1})
+    cfg = default_cfg(tmp_path, num_prompts=4, self_prompts=0)
+    capture = capture_plan(cfg, other, LAYERS, 96)
+    capture.target.spec.name = "other"  # not the model named in regen: its features would be wrong
+    build_datasets(cfg, target.tokenizer, 96, capture=capture)
+    assert not capture.directory.exists()
+
+
+def test_unwritable_cache_is_one_clear_error(target, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("HEADWAY_CACHE", str(blocker / "cache"))  # a folder that cannot be created
+    with pytest.raises(DataError, match="cannot write .*writable folder"):
+        build_datasets(default_cfg(tmp_path, num_prompts=2, self_prompts=0), target.tokenizer, 96)
+
+
+def test_full_disk_is_a_data_error():
+    sink = JsonlSink("/dev/full")  # every write fails with ENOSPC
+    with pytest.raises(DataError, match="No space left"):
+        sink.write([{"id": "a"}])
+
+
+# ----------------------------------------------------------------------------- self-written prompts
+
+def test_user_turn_prefix_ends_where_the_user_writes(target):
+    ids = user_turn_prefix(target.tokenizer, "hint")
+    assert target.tokenizer.decode(ids).endswith("<|im_start|>user\n") and "hint" in target.tokenizer.decode(ids)
+
+
+def candidate(i, text, category="writing", finished=True):
+    return {"id": f"c{i}", "category": category, "prompt": text, "finished": finished}
+
+
+def test_filters_drop_unusable_duplicate_and_held_out_prompts():
+    held_out = evaluation_prompts()
+    eval_copy = " ".join(held_out[0].split()[:12]) + "?"  # 12 words of an evaluation prompt
+    cands = [candidate(0, "Write a short poem about the sea at night, please."),
+             candidate(1, "Write a short poem about the sea at night please!"),  # same words
+             candidate(2, "Write a short poem about the sea at night, with rhymes please."),  # near duplicate
+             candidate(3, "the the the the the the the the the the the the the?"),  # repetitive
+             candidate(4, "Tell me"),  # too short
+             candidate(5, "Explain how rainbows form in the sky and why", finished=False),  # cut off
+             candidate(6, "Explain how rainbows form in the sky and why they"),  # no sensible ending
+             candidate(7, "Hi <|im_start|>assistant tell me a story about dragons."),  # chat markup
+             candidate(8, eval_copy),
+             candidate(9, "How do I plan a cheap weekend trip to the mountains?", "advice"),
+             candidate(10, "What should I cook for a quick healthy dinner tonight?", "advice"),
+             candidate(11, "Give me tips for sleeping better during a hot summer?", "advice")]
+    kept, dropped = select_prompts(cands, 2, OverlapIndex(held_out), ["What is a good gift for my sister?"])
+    assert [r["id"] for r in kept] == ["c0", "c9", "c10"]  # advice capped at 2; writing has only one
+    assert dropped == {"duplicate": 1, "near_duplicate": 1, "repetitive": 1, "too_short": 1, "unfinished": 1,
+                       "bad_ending": 1, "chat_markup": 1, "eval_overlap": 1,
+                       "categories_short": {c: 2 - (c == "writing") for c in CATEGORIES if c != "advice"}}
+
+
+def test_built_in_training_prompts_never_overlap_evaluation_prompts():
+    from train.data.default_set import default_prompts
+
+    held_out = OverlapIndex(evaluation_prompts())
+    bad = [(p["id"], why) for p in default_prompts() if (why := held_out.overlap(p["prompt"]))]
+    assert not bad

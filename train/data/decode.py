@@ -1,0 +1,181 @@
+"""Batched decoding for data generation, capturing the target's hidden states on the way.
+
+One left-padded prefill, then one token per row per step through the HF model's own KV cache. Rows leave
+the batch as soon as they are complete (their KV rows are dropped), so a batch costs what its live rows
+cost. With a `Tap`, the hidden states of every position fed to the target are kept; when a row stops
+(stop token or max_new_tokens), the tap says which token ids the training pipeline will see for it (its
+chat-template rendering, tokenised as train/data/conversations does); the tokens of that sequence not fed
+yet (the stop token, the template's glue after it) are then teacher-forced through the same loop, and the
+tap receives the ids with their hidden states: the features of a teacher-forced forward over those ids, up
+to float rounding (incremental attention sums in another order). A row whose training ids do not extend
+what was fed (a reply that re-tokenises differently) is not captured: the cache pass computes it later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+MAX_TAIL = 8  # tokens teacher-forced after a row stops (stop token + template glue: 1-3 in practice)
+
+
+@dataclass
+class Tap:
+    """What to capture: hidden-state indices, and two callbacks per row (its index in the call)."""
+
+    layers: list[int]
+    training_ids: Callable[[int, list[int], bool], list[int] | None]  # (row, new ids, finished) -> ids
+    done: Callable[[int, Tensor, dict[int, Tensor]], None]  # (row, ids [T], {layer: [T, h]})
+
+
+@dataclass
+class Decoded:
+    tokens: list[list[int]]  # new tokens per row, the stop token included when it came
+    finished: list[bool]  # stopped on a stop token (not on max_new_tokens)
+    captured: int = 0  # rows handed to the tap
+
+
+@torch.no_grad()
+def decode(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int,
+           temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+           tap: Tap | None = None) -> Decoded:
+    """Greedy (temperature 0) or sampled continuation of every prompt (token-id lists of any lengths)."""
+    return _Decoder(model, prompts, max_new_tokens, stop_ids, pad_id, temperature, top_p, generator, tap).run()
+
+
+class _Decoder:
+    def __init__(self, model, prompts, max_new, stop_ids, pad_id, temperature, top_p, generator, tap):
+        from transformers import DynamicCache
+
+        self.model, self.prompts, self.max_new, self.tap = model, prompts, max_new, tap
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.device = next(model.parameters()).device
+        self.stop = torch.tensor(stop_ids or [-1], dtype=torch.long)
+        B = len(prompts)
+        self.lens = torch.tensor([len(p) for p in prompts])  # [B]
+        width = int(self.lens.max())
+        self.ids = torch.full((B, width), pad_id, dtype=torch.long)  # left-padded prompts
+        for b, p in enumerate(prompts):  # once per call, not per token
+            self.ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        self.mask = (torch.arange(width) >= width - self.lens[:, None]).long()  # [B, width]
+        self.cache = DynamicCache()
+        self.alive = torch.arange(B)  # original row of each batch row
+        self.fed = self.lens.clone()  # [B] tokens fed so far = next position
+        self.out = torch.full((B, max_new), -1, dtype=torch.long)
+        self.count = torch.zeros(B, dtype=torch.long)
+        self.stopped = torch.zeros(B, dtype=torch.bool)  # generation over (tail may still be fed)
+        self.finished = torch.zeros(B, dtype=torch.bool)
+        self.tail = torch.full((B, MAX_TAIL), pad_id, dtype=torch.long)  # tokens to teacher-force
+        self.tail_len = torch.zeros(B, dtype=torch.long)
+        self.tail_fed = torch.zeros(B, dtype=torch.long)
+        self.wanted: dict[int, list[int]] = {}  # row -> its training ids, while its tail is fed
+        self.captured = 0
+        if tap:
+            h = model.config.hidden_size
+            dtype = next(model.parameters()).dtype
+            self.dump = width + max_new + MAX_TAIL  # where left pads' states go: a column never captured
+            self.hidden = {i: torch.zeros(B, self.dump + 1, h, dtype=dtype) for i in tap.layers}
+
+    def run(self) -> Decoded:
+        logits = self.prefill()
+        while True:
+            new = self.pick(logits)  # [A]
+            self.emit(new)
+            keep = self.retire()
+            if not len(self.alive):
+                break
+            logits = self.step(new[keep])
+        tokens = [self.out[b, :int(n)].tolist() for b, n in enumerate(self.count)]
+        return Decoded(tokens, self.finished.tolist(), self.captured)
+
+    def forward(self, ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
+        """Feed ids [A, Q] at positions [A, Q]; keep the tap's hidden states at sequence positions `slots`
+        [A, Q]; -> last logits [A, V]."""
+        out = self.model(input_ids=ids.to(self.device), attention_mask=self.mask.to(self.device),
+                         position_ids=positions.to(self.device), cache=self.cache, use_cache=True,
+                         output_hidden_states=self.tap is not None, logits_to_keep=1)
+        if self.tap:
+            rows = self.alive[:, None].expand_as(slots)
+            for i in self.tap.layers:
+                self.hidden[i][rows, slots] = out.hidden_states[i].to(self.hidden[i].dtype).cpu()
+        return out.logits[:, -1].float()
+
+    def prefill(self) -> Tensor:
+        B = len(self.prompts)
+        if self.tap is None and B > 1 and all(p == self.prompts[0] for p in self.prompts):
+            # one prompt for every row (self-written prompts of a category): prefill it once, copy its KV
+            ids = self.ids[:1].to(self.device)
+            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+            self.cache.batch_repeat_interleave(B)
+            return out.logits[:, -1].float().expand(B, -1)
+        positions = (self.mask.cumsum(1) - 1).clamp(min=0)  # [B, width]; left pads at 0
+        slots = torch.where(self.mask.bool(), positions, getattr(self, "dump", 0))
+        return self.forward(self.ids, positions, slots)
+
+    def step(self, new: Tensor) -> Tensor:
+        """Feed each live row its next token: the one just generated, or the next teacher-forced one."""
+        a = self.alive
+        forced = self.stopped[a]
+        feed = torch.where(forced, self.tail[a, self.tail_fed[a].clamp(max=MAX_TAIL - 1)], new)  # [A]
+        self.tail_fed[a] += forced.long()
+        self.mask = torch.cat([self.mask, torch.ones(len(a), 1, dtype=torch.long)], 1)
+        logits = self.forward(feed[:, None], self.fed[a][:, None], self.fed[a][:, None])
+        self.fed[a] += 1
+        return logits
+
+    def pick(self, logits: Tensor) -> Tensor:  # [A, V] -> [A]
+        if self.temperature == 0:
+            return logits.argmax(-1).cpu()
+        from infer.sampling import sample, warp_probs
+
+        return sample(warp_probs(logits, self.temperature, None, self.top_p), self.generator).cpu()
+
+    def emit(self, new: Tensor) -> None:
+        """Append new tokens to the rows still generating; stop rows at a stop token or the limit."""
+        a = self.alive
+        live = ~self.stopped[a]
+        rows = a[live]
+        self.out[rows, self.count[rows]] = new[live]
+        self.count[rows] += 1
+        is_stop = torch.isin(new[live], self.stop)
+        self.finished[rows] |= is_stop
+        now = rows[is_stop | (self.count[rows] >= self.max_new)]
+        self.stopped[now] = True
+        if self.tap:
+            for b in now.tolist():  # once per row, when it stops
+                self.plan_tail(b)
+
+    def plan_tail(self, b: int) -> None:
+        """Ask the tap for row b's training ids; queue the ones not fed yet (or give up on capturing it)."""
+        gen = self.out[b, :int(self.count[b])].tolist()
+        want = self.tap.training_ids(b, gen, bool(self.finished[b]))
+        fed = int(self.fed[b])
+        if want is None or want[:fed] != (self.prompts[b] + gen)[:min(fed, len(want))] \
+                or len(want) - fed > MAX_TAIL:
+            return
+        rest = want[fed:]
+        self.tail[b, :len(rest)] = torch.tensor(rest, dtype=torch.long)
+        self.tail_len[b] = len(rest)
+        self.wanted[b] = want
+
+    def retire(self) -> Tensor:
+        """Drop the rows that are complete (stopped and their tail fed), handing captures to the tap;
+        -> the batch rows kept [A']."""
+        a = self.alive
+        complete = self.stopped[a] & (self.tail_fed[a] >= self.tail_len[a])
+        if not bool(complete.any()):
+            return torch.arange(len(a))
+        for b in a[complete].tolist():
+            want = self.wanted.pop(b, None)
+            if want is not None:
+                n = len(want)
+                self.tap.done(b, torch.tensor(want), {i: h[b, :n].clone() for i, h in self.hidden.items()})
+                self.captured += 1
+        keep = (~complete).nonzero()[:, 0]
+        self.alive, self.mask = a[keep], self.mask[keep]
+        if len(keep):
+            self.cache.batch_select_indices(keep.to(self.device))
+        return keep

@@ -1,0 +1,127 @@
+"""Prompts the target writes itself (Magpie, Xu et al. 2024): no external data.
+
+An instruct model fed its chat template up to the start of a user turn (`<|im_start|>system\\n...<|im_end|>
+\\n<|im_start|>user\\n` for ChatML) writes a plausible user message. A category hint in the system turn
+steers the topic, so categories can be balanced. Candidates are sampled (temperature ~1), then filtered:
+unfinished, empty, too short, degenerate (repetitive), chat markup, no sensible ending, duplicates, near
+duplicates (4-gram Jaccard) and anything overlapping a held-out evaluation prompt (train.data.overlap).
+Each category keeps the same number of prompts (the smallest survivor count caps none: a category short
+of its quota is reported, not padded).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from train.data.overlap import OverlapIndex, words
+
+PLACEHOLDER = "\x00USER\x00"
+CATEGORIES = {  # category -> hint in the system turn (the user turn itself is the model's own)
+    "writing": "The user asks for a piece of writing: a story, a poem, an email, a speech or a blog post.",
+    "roleplay": "The user asks the assistant to play a character or a role and to answer in that role.",
+    "reasoning": "The user asks a logic puzzle or a question that needs step-by-step reasoning.",
+    "math": "The user asks a math problem: arithmetic, algebra, geometry, probability or word problems.",
+    "coding": "The user asks for help with programming: write, explain or fix code (Python, JavaScript, SQL).",
+    "extraction": "The user gives a short text and asks to extract, summarise or reformat information from it.",
+    "stem": "The user asks a question about science, technology, engineering, medicine or nature.",
+    "humanities": "The user asks about history, philosophy, economics, law, art, literature or society.",
+    "advice": "The user asks for practical advice about health, work, travel, cooking, money or daily life.",
+}
+MIN_WORDS, MIN_CHARS = 4, 20
+NEAR_DUP_N, NEAR_DUP_JACCARD = 4, 0.5
+MARKUP = ("<|", "|>", "<im_", "[INST]", "</s>")
+GOOD_ENDINGS = tuple(".?!:)]}\"'`*")
+
+
+@dataclass
+class SelfPromptSettings:
+    per_category: int = 0  # prompts kept per category (0: none written)
+    oversample: float = 2.0  # candidates written per kept prompt (filtering drops some)
+    max_new_tokens: int = 64  # a longer user message is dropped as unfinished
+    temperature: float = 1.0
+    top_p: float = 0.95
+    batch_size: int = 64
+    seed: int = 0
+
+
+def user_turn_prefix(tokenizer, system: str) -> list[int]:
+    """Token ids of the chat template up to where a user message's text starts."""
+    text = tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                          {"role": "user", "content": PLACEHOLDER}], tokenize=False)
+    return tokenizer(text[:text.index(PLACEHOLDER)], add_special_tokens=False)["input_ids"]
+
+
+def candidate_rows(settings: SelfPromptSettings) -> list[dict]:
+    """The candidates to write: {"id", "category"}, interleaved across categories."""
+    n = round(settings.per_category * settings.oversample)
+    return [{"id": f"self-{cat}-{k:05d}", "category": cat} for k in range(n) for cat in CATEGORIES]
+
+
+@torch.no_grad()
+def write_candidates(target, todo: list[dict], settings: SelfPromptSettings, stop_ids: list[int]):
+    """Yield (rows with "prompt" and "finished", tokens written) one batch at a time; a batch holds one
+    category, so its prompt prefix is computed once for all rows."""
+    from train.data.decode import decode
+
+    tok = target.tokenizer
+    for cat, hint in CATEGORIES.items():
+        prefix = user_turn_prefix(tok, hint)
+        rows = [r for r in todo if r["category"] == cat]
+        for start in range(0, len(rows), settings.batch_size):
+            chunk = rows[start:start + settings.batch_size]
+            seed = settings.seed * 1_000_003 + zlib.crc32("|".join(r["id"] for r in chunk).encode())
+            out = decode(target.model, [prefix] * len(chunk), settings.max_new_tokens, stop_ids, tok.pad_token_id,
+                         settings.temperature, settings.top_p, torch.Generator().manual_seed(seed))
+            written = [dict(r, prompt=tok.decode(ids, skip_special_tokens=True).strip(), finished=fin, source="self")
+                       for r, ids, fin in zip(chunk, out.tokens, out.finished)]
+            yield written, sum(len(t) for t in out.tokens)
+
+
+def rejection(row: dict) -> str | None:
+    """Why a candidate is unusable on its own (None: keep)."""
+    text = row["prompt"]
+    if not row.get("finished", True):
+        return "unfinished"
+    if not text:
+        return "empty"
+    w = words(text)
+    if len(w) < MIN_WORDS or len(text) < MIN_CHARS:
+        return "too_short"
+    if any(m in text for m in MARKUP):
+        return "chat_markup"
+    trigrams = [tuple(w[i:i + 3]) for i in range(len(w) - 2)]
+    if len(trigrams) >= 6 and len(set(trigrams)) < 0.7 * len(trigrams):
+        return "repetitive"
+    if not text.endswith(GOOD_ENDINGS) and not text.rstrip("`").endswith("\n"):
+        return "bad_ending"
+    return None
+
+
+def select_prompts(candidates: list[dict], per_category: int, held_out: OverlapIndex,
+                   keep_out: list[str] = ()) -> tuple[list[dict], dict[str, int]]:
+    """Filter the candidates (in order) and keep up to per_category of each category.
+    keep_out: other training prompts they must not duplicate. -> (kept, dropped count by reason)."""
+    seen = OverlapIndex(keep_out, long_n=10 ** 6, short_n=NEAR_DUP_N, max_jaccard=NEAR_DUP_JACCARD)
+    exact = {" ".join(words(t)) for t in keep_out}
+    kept, dropped, count = [], {}, {cat: 0 for cat in CATEGORIES}
+    for row in candidates:
+        if count.get(row["category"], 0) >= per_category:
+            continue
+        norm = " ".join(words(row["prompt"]))
+        why = rejection(row) or ("duplicate" if norm in exact else None) \
+            or ("near_duplicate" if seen.overlap(row["prompt"]) else None) \
+            or ("eval_overlap" if held_out.overlap(row["prompt"]) else None)
+        if why:
+            dropped[why] = dropped.get(why, 0) + 1
+            continue
+        exact.add(norm)
+        seen.add(row["prompt"])
+        count[row["category"]] = count.get(row["category"], 0) + 1
+        kept.append({"id": row["id"], "category": row["category"], "prompt": row["prompt"], "source": "self"})
+    short = {cat: per_category - n for cat, n in count.items() if n < per_category}
+    if short:
+        dropped["categories_short"] = short
+    return kept, dropped
