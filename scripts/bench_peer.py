@@ -127,7 +127,7 @@ def export_headway(final: Path) -> Path:
 def peer_data(args, seed: int, target_dir: Path, head: Path) -> tuple[Path, dict]:
     """headway's own split for `seed` in the layout speculators' trainer reads: a `datasets` folder of
     (input_ids, loss_mask, seq_len), train rows then validation rows, hidden states in
-    hidden_states/hs_<row>.safetensors ({token_ids [T], hidden_states [T, 4, h]}: the 3 auxiliary layers,
+    hidden_states/hs_<row>.safetensors ({token_ids [T], hidden_states [T, A+1, h]}: headway's A auxiliary layers,
     then the last layer's output before the final norm), and headway's d2t/t2d as .npy."""
     folder = args.out / f"peer-data-seed{seed}"
     info_path = folder / "bench_info.json"
@@ -140,6 +140,7 @@ def peer_data(args, seed: int, target_dir: Path, head: Path) -> tuple[Path, dict
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from heads.eagle3 import default_aux_layers
     from train.data import build_datasets
 
     cfg = OmegaConf.load(REPO / "conf" / "data" / ("tiny.yaml" if args.quick else "default.yaml"))
@@ -148,26 +149,25 @@ def peer_data(args, seed: int, target_dir: Path, head: Path) -> tuple[Path, dict
     rows = concatenate_datasets([train_ds, val_ds]).select_columns(["input_ids", "loss_mask"])
     rows = rows.map(lambda r: {"seq_len": len(r["input_ids"])})
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    n = model.config.num_hidden_layers
-    aux = [2, n // 2, n - 3]  # EAGLE-3's default in both trainers: inputs of these decoder layers
+    aux = default_aux_layers(model.config.num_hidden_layers)  # inputs of these decoder layers, as headway's head
     tmp = folder.with_name(folder.name + ".tmp")
-    (tmp / "hidden_states").mkdir(parents=True, exist_ok=True)
+    rows.with_format("torch").save_to_disk(str(tmp / "data"))
+    (tmp / "data" / "hidden_states").mkdir()  # where speculators' file backend looks: <data-path>/hidden_states
     last = {}
     hook = model.model.layers[-1].register_forward_hook(lambda m, i, o: last.update(h=o[0] if isinstance(o, tuple) else o))
     with torch.no_grad():
         for i, ids in enumerate(rows["input_ids"]):
             x = torch.tensor([ids])  # [1, T]
             hs = model(x, output_hidden_states=True).hidden_states
-            stacked = torch.stack([hs[a][0] for a in aux] + [last["h"].reshape(len(ids), -1)], dim=1)  # [T, 4, h]
+            stacked = torch.stack([hs[a][0] for a in aux] + [last["h"].reshape(len(ids), -1)], dim=1)  # [T, A+1, h]
             save_file({"token_ids": x[0], "hidden_states": stacked.contiguous()},
-                      str(tmp / "hidden_states" / f"hs_{i}.safetensors"))
+                      str(tmp / "data" / "hidden_states" / f"hs_{i}.safetensors"))
     hook.remove()
-    rows.with_format("torch").save_to_disk(str(tmp / "data"))
     weights = load_file(str(head / "model.safetensors"))
     np.save(tmp / "d2t.npy", weights["d2t"].numpy())
     np.save(tmp / "t2d.npy", weights["t2d"].numpy())
     lengths = rows["seq_len"][: len(train_ds)]
-    info = {"train_rows": len(train_ds), "val_rows": len(val_ds), "train_tokens": sum(lengths),
+    info = {"aux_layers": aux, "train_rows": len(train_ds), "val_rows": len(val_ds), "train_tokens": sum(lengths),
             "draft_vocab": int(weights["d2t"].numel())}
     (tmp / "bench_info.json").write_text(json.dumps(info))
     os.replace(tmp, folder)
@@ -187,12 +187,12 @@ def train_peer(args, python: Path, seed: int, target_dir: Path, data: Path, info
     cmd = [python, PEER_DIR / "speculators_cpu.py", "--speculator-type", "eagle3",
            "--verifier-name-or-path", target_dir.resolve(), "--data-path", (data / "data").resolve(),
            "--d2t-path", (data / "d2t.npy").resolve(), "--t2d-path", (data / "t2d.npy").resolve(),
-           "--draft-vocab-size", info["draft_vocab"], "--total-seq-len", tokens_per_step,
+           "--target-layer-ids", *info["aux_layers"], "--draft-vocab-size", info["draft_vocab"], "--total-seq-len", tokens_per_step,
            "--train-data-ratio", f"{ratio + 0.5 / (info['train_rows'] + info['val_rows']):.9f}",
            "--hidden-states-dtype", "float32", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
            "--num-workers", "0", "--on-missing", "raise", "--epochs", epochs, "--max-steps", args.steps,
            "--seed", seed, "--save-path", save]
-    run(cmd, save.with_suffix(".log"), env={"HIDDEN_STATES_PATH": str((data / "hidden_states").resolve())})
+    run(cmd, save.with_suffix(".log"))
     return train_peer(args, python, seed, target_dir, data, info)
 
 
