@@ -31,11 +31,14 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--speculative-tokens", type=int, default=3)
+    p.add_argument("--memory-fraction", type=float, default=0.2, help="of host RAM on CPU (KV cache and weights)")
     args = p.parse_args()
 
     from vllm import LLM, SamplingParams
 
+    # on CPU the memory fraction is of host RAM: a small share leaves room for whatever else runs there
     llm = LLM(model=args.target, dtype="float32", max_model_len=2048, disable_log_stats=False,
+              gpu_memory_utilization=args.memory_fraction,
               speculative_config={"method": "eagle3", "model": args.draft,
                                   "num_speculative_tokens": args.speculative_tokens})
     prompts = json.loads(args.prompts.read_text())
