@@ -44,7 +44,7 @@ from heads.base import DraftHead, HeadError
 from heads.target import Target
 from infer.kv_cache import PagedKVCache
 from infer.roofline import TreePlan, best_tree, rank_rate
-from infer.sampling import is_greedy, sample, warp_probs
+from heads.sampling import is_greedy, sample, warp_probs
 from infer.tree import attention_mask, chain_parents
 
 

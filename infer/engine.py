@@ -53,7 +53,7 @@ from heads.base import TargetFeatures
 from infer.calibrate import TreeBudget, calibrate_latency  # noqa: F401  (calibrate_latency re-exported)
 from infer.drafters import Sampling
 from infer.kv_cache import CacheFullError, PagedKVCache  # noqa: F401  (CacheFullError re-exported)
-from infer.sampling import is_greedy, sample, warp_probs
+from heads.sampling import is_greedy, sample, warp_probs
 from infer.tree import ancestor_mask, attention_mask, causal_ancestors, depths
 from infer.verify import verify_tree
 from infer.weight_layout import apply_layout, current_layout

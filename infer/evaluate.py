@@ -47,7 +47,7 @@ from heads.target import TargetError, TargetSpec, load_target, recorded_spec, ta
 from infer.engine import CacheFullError, EngineError, Engine, encode_prompts
 from infer.hf_generate import generation_config, hf_generate
 from infer.prompt_sets import PromptSetError, load_prompt_set
-from infer.sampling import is_greedy
+from heads.sampling import is_greedy
 from infer.weight_layout import check_layout, current_layout
 
 DEFAULT_TARGET = "smollm2-135m"  # the conf/target preset used when neither target= nor the checkpoint names one

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from infer.sampling import is_greedy
+from heads.sampling import is_greedy
 from infer.weight_layout import stock_layout
 
 

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from infer.sampling import argmax, sample
+from heads.sampling import argmax, sample
 
 
 def verify_tree(

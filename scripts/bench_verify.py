@@ -19,7 +19,7 @@ import time
 import bench_common as bc  # noqa: F401  (puts the repo on sys.path)
 import torch
 
-from infer.sampling import sample
+from heads.sampling import sample
 from infer.verify import verify_tree
 
 RULES = ("topk", "sampled", "greedy")

@@ -15,7 +15,7 @@ from heads.base import build_head, save_head
 from heads.target import TargetSpec, load_target
 from infer import evaluate as ev
 from infer.engine import EngineError, Engine
-from infer.sampling import warp_probs
+from heads.sampling import warp_probs
 
 REPO = ev.Path(__file__).resolve().parents[2]
 torch.set_num_threads(1)

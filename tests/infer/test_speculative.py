@@ -140,7 +140,7 @@ def test_sampling_keeps_the_targets_joint_distribution(target, policy, opts):
     samples = torch.tensor(out.tokens)  # [rows, 3]
 
     def next_probs(seqs):  # exact warped next-token distributions [n, V]
-        from infer.sampling import warp_probs
+        from heads.sampling import warp_probs
         with torch.no_grad():
             logits = target.model(input_ids=torch.tensor(seqs)).logits[:, -1]
         return warp_probs(logits, 1.0, k, None)

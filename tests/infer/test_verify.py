@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_sampling import law_pvalue, total_variation
 
-from infer.sampling import sample, warp_probs
+from heads.sampling import sample, warp_probs
 from infer.verify import verify_tree
 
 torch.set_num_threads(1)

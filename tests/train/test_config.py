@@ -60,8 +60,9 @@ def test_defaults_are_the_documented_main_job():
 
 def test_each_head_gets_its_own_learning_rate_unless_overridden():
     assert compose_train("head=medusa").optim.lr == 1e-3
-    assert compose_train("head=eagle3").optim.lr == 3e-4  # conf/optim/head/<head>.yaml, not the group default
-    assert compose_train("head=medusa").optim.lr > compose_train("head=eagle3").optim.lr
+    assert compose_train("head=mtp").optim.lr == 3e-4  # conf/optim/head/<head>.yaml, not the group default
+    assert compose_train("head=eagle3").optim.lr == 1e-3
+    assert compose_train("head=medusa").optim.lr > compose_train("head=mtp").optim.lr
     assert compose_train("head=medusa", "optim.lr=5e-5").optim.lr == 5e-5
 
 

@@ -1,4 +1,4 @@
-"""Logits warping and exact sampling, shared by plain decoding, the drafter and the verifier.
+"""Logits warping and exact sampling, shared by plain decoding, the drafter, the verifier and data generation.
 
 Speculative decoding is only lossless when the target distribution p, the draft distribution q and
 the bonus token all go through the same warping as plain sampling, so every caller uses

@@ -7,7 +7,7 @@ import torch
 from scipy import stats
 
 from infer import sampling
-from infer.sampling import argmax, sample, warp_probs
+from heads.sampling import argmax, sample, warp_probs
 
 torch.set_num_threads(1)
 
