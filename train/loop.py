@@ -273,7 +273,8 @@ def make_loaders(cfg: DictConfig, train_ds, val_ds, pad_id: int, num_processes: 
 
 
 def configure_deepspeed(accelerator: Accelerator, cfg: DictConfig) -> None:
-    """DeepSpeed clips gradients itself: give it optim.grad_clip where its config says "auto"."""
+    """DeepSpeed clips gradients itself: give it optim.grad_clip where its config says "auto"; and the micro
+    batch size, which it cannot read off a loader whose batches come from a batch sampler (length-grouped)."""
     plugin = accelerator.state.deepspeed_plugin
     if accelerator.distributed_type == DistributedType.DEEPSPEED and cfg.optim.name != "adamw":
         raise ConfigError(f"optim.name={cfg.optim.name} needs whole weight matrices, which DeepSpeed shards: "
@@ -281,6 +282,8 @@ def configure_deepspeed(accelerator: Accelerator, cfg: DictConfig) -> None:
     if accelerator.distributed_type == DistributedType.DEEPSPEED and plugin is not None:
         if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
             plugin.deepspeed_config["gradient_clipping"] = float(cfg.optim.grad_clip)
+        if plugin.deepspeed_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = int(cfg.train.batch_size)
 
 
 # ------------------------------------------------------------------------------------------ step
