@@ -319,8 +319,8 @@ def test_two_process_build_equals_one_process_build(target, tmp_path):
     from safetensors.torch import load_file
 
     def run(launcher, out):
-        cmd = launcher + ["scripts/cache_hidden_states.py", "--out", str(out), "--validate", "2",
-                          "--shard-tokens", "700", "head=eagle3", "experiment=smoke"]
+        cmd = launcher + ["scripts/cache_hidden_states.py", f"data.hidden_cache={out}", "cache.validate=2",
+                          "cache.shard_tokens=700", "head=eagle3", "experiment=smoke"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert done.returncode == 0, done.stderr[-3000:]
