@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from infer import sampling
+from heads import sampling
 from heads.sampling import argmax, sample, warp_probs
 
 torch.set_num_threads(1)
