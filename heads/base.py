@@ -31,8 +31,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from heads.files import atomic_path
-from heads.target import Target, TargetError, TargetSpec, target_parts
+from headway.heads.files import atomic_path
+from headway.heads.target import Target, TargetError, TargetSpec, target_parts
 
 HEAD_REGISTRY: dict[str, type["DraftHead"]] = {}
 CONFIG_NAME = "config.json"
@@ -363,11 +363,11 @@ def _import_builtin_heads() -> None:
     import importlib
     import pkgutil
 
-    import heads
+    from headway import heads
 
     for mod in pkgutil.iter_modules(heads.__path__):
         if mod.name not in {"base", "target"}:
-            importlib.import_module(f"heads.{mod.name}")
+            importlib.import_module(f"headway.heads.{mod.name}")
 
 
 def save_head(head: DraftHead, directory: str | os.PathLike, extra: dict | None = None) -> Path:
@@ -407,7 +407,7 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, device
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from heads.target import load_target, recorded_spec
+    from headway.heads.target import load_target, recorded_spec
 
     config = read_head_config(directory)
     if target is None:

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import DraftHead, TargetFeatures, register_head
-from heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, head_loss, kl_to_target,
+from headway.heads.base import DraftHead, TargetFeatures, register_head
+from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, head_loss, kl_to_target,
                           masked_mean, new_decoder_layer, positive_int, require, resolve_options, rotary,
                           shift_left, unrolled_accuracy)
 

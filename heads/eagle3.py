@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from heads.base import DraftHead, TargetFeatures, check_layer_ids, most_frequent, register_head
-from heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, head_loss, kl_to_target,
+from headway.heads.base import DraftHead, TargetFeatures, check_layer_ids, most_frequent, register_head
+from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, head_loss, kl_to_target,
                           masked_mean, new_decoder_layer, new_rms_norm, positive_int, require, resolve_options,
                           rotary, shift_left, unrolled_accuracy)
 

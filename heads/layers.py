@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import HeadError, HeadLoss, TargetFeatures
+from headway.heads.base import HeadError, HeadLoss, TargetFeatures
 
 
 # ------------------------------------------------------------------------------------------- options

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import DraftHead, HeadError, TargetFeatures, register_head
-from heads.layers import (chain_accuracy, head_loss, labels_at_depth, last_valid, masked_mean, positive_int,
+from headway.heads.base import DraftHead, HeadError, TargetFeatures, register_head
+from headway.heads.layers import (chain_accuracy, head_loss, labels_at_depth, last_valid, masked_mean, positive_int,
                           resolve_options, kl_to_target)
 
 DEFAULTS = dict(num_heads=4, num_layers=1, decay=0.8, loss="ce", train_vocab=None)

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import DraftHead, HeadError, TargetFeatures, register_head
-from heads.layers import (INIT_LAYER, ContextKV, JoinKV, attend_mask, chain_accuracy, context_begin,
+from headway.heads.base import DraftHead, HeadError, TargetFeatures, register_head
+from headway.heads.layers import (INIT_LAYER, ContextKV, JoinKV, attend_mask, chain_accuracy, context_begin,
                           copy_target_layer, head_loss, labels_at_depth, last_valid, masked_mean,
                           new_decoder_layer, new_rms_norm, positive_int, require, resolve_options, rotary,
                           self_mask, shift_left, valid_slots)

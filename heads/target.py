@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from heads.files import atomic_path, write_json_atomic
+from headway.heads.files import atomic_path, write_json_atomic
 
 log = logging.getLogger(__name__)
 

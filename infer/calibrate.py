@@ -15,9 +15,9 @@ what throttles drafting at large batch: once B alone is past the ridge, T(2B) ~
 Without a curve a fixed throttle applies (full trees for B <= 8, a quarter for B <= 32, none
 beyond).
 
-    python -m infer.calibrate target=smollm2-135m      # measure, cache on disk, print the curve
-    python -m infer.calibrate target=smollm2-135m weight_layout=stock context=512
-    python -m infer.calibrate target=smollm2-135m target.path=/models/SmolLM2-135M-Instruct
+    python -m headway.infer.calibrate target=smollm2-135m      # measure, cache on disk, print the curve
+    python -m headway.infer.calibrate target=smollm2-135m weight_layout=stock context=512
+    python -m headway.infer.calibrate target=smollm2-135m target.path=/models/SmolLM2-135M-Instruct
 Keys (conf/calibrate.yaml, schema CalibrateConfig): target (a conf/target preset; its fields can be
 overridden as target.path=..., target.dtype=...), weight_layout, context.
 The curve is cached in $HEADWAY_CACHE/calibration/<target>-<device>-<dtype>-<layout>.json (device: cuda, or
@@ -35,10 +35,10 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from heads.files import write_json_atomic
-from heads.target import TargetSpec
-from infer.measurements import measurement_path
-from infer.weight_layout import apply_layout, check_layout, current_layout, layout_path
+from headway.heads.files import write_json_atomic
+from headway.heads.target import TargetSpec
+from headway.infer.measurements import measurement_path
+from headway.infer.weight_layout import apply_layout, check_layout, current_layout, layout_path
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -83,7 +83,7 @@ class TreeBudget:
 
     @classmethod
     def for_target(cls, target, max_nodes: int = 64, slack: float = 2.0, measure: bool = False) -> "TreeBudget":
-        """The budget from this target's cached curve (`python -m infer.calibrate`), measured now if
+        """The budget from this target's cached curve (`python -m headway.infer.calibrate`), measured now if
         `measure`; without a curve, the static batch-size throttle."""
         curve = load_curve(target)
         if curve is None and measure:
@@ -111,8 +111,8 @@ def calibrate_latency(target, sizes=DEFAULT_SIZES, context: int = 256, repeats: 
                       save: bool = True) -> dict[int, float]:
     """Measure T(N): seconds for one target forward of N new tokens after `context` cached tokens,
     through the engine's own path (paged cache + 4D mask). Best of `repeats` (least disturbed)."""
-    from infer.kv_cache import PagedKVCache
-    from infer.tree import attention_mask, causal_ancestors
+    from headway.infer.kv_cache import PagedKVCache
+    from headway.infer.tree import attention_mask, causal_ancestors
 
     model = target.model
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -139,7 +139,7 @@ def calibrate_latency(target, sizes=DEFAULT_SIZES, context: int = 256, repeats: 
 
 
 def _forward(model, cache, tokens, anc, dtype, device):
-    from infer.tree import attention_mask
+    from headway.infer.tree import attention_mask
 
     n = tokens.shape[1]
     plan = cache.prepare(n)
@@ -169,7 +169,7 @@ ConfigStore.instance().store(name="calibrate_schema", node=CalibrateConfig)
 
 def calibrate(cfg, out=print) -> dict[int, float]:
     """Measure and cache this target's T(N) under the engine's weight layout; print it and the budget."""
-    from heads.target import load_target
+    from headway.heads.target import load_target
 
     if cfg.context < 1:
         raise CalibrateError(f"context must be >= 1, got {cfg.context}")
@@ -191,8 +191,8 @@ def calibrate(cfg, out=print) -> dict[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from heads.cli import run_command
-    from heads.target import TargetError
+    from headway.heads.cli import run_command
+    from headway.heads.target import TargetError
 
     return run_command("calibrate", calibrate, argv, errors=(TargetError, CalibrateError), usage=__doc__)
 

@@ -40,12 +40,12 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from heads.base import DraftHead, HeadError
-from heads.target import Target
-from infer.kv_cache import PagedKVCache
-from infer.roofline import TreePlan, best_tree, rank_rate
-from heads.sampling import is_greedy, sample, warp_probs
-from infer.tree import attention_mask, chain_parents
+from headway.heads.base import DraftHead, HeadError
+from headway.heads.target import Target
+from headway.infer.kv_cache import PagedKVCache
+from headway.infer.roofline import TreePlan, best_tree, rank_rate
+from headway.heads.sampling import is_greedy, sample, warp_probs
+from headway.infer.tree import attention_mask, chain_parents
 
 
 @dataclass
@@ -605,7 +605,7 @@ def build_drafter(kind: str, target=None, *, head: DraftHead | None = None, draf
         return TreeDrafter(DraftModelProposer(model), _policy(policy or "chain", options))
     if kind == "head":
         if head is None:
-            raise HeadError("drafter=head needs a head (heads.base.load_head(RUN/final))")
+            raise HeadError("drafter=head needs a head (headway.heads.base.load_head(RUN/final))")
         head.set_draft_vocab(draft_vocab)
         return TreeDrafter(HeadProposer(head), _policy(policy or "auto", options))
     raise HeadError(f"unknown drafter {kind!r}: choose prompt_lookup, draft_model or head")

@@ -2,9 +2,9 @@
 
 API (what infer.evaluate and scripts build on)
 ----------------------------------------------
-    from heads.target import load_target, target_preset
-    from infer.engine import Engine, encode_prompts
-    from infer.drafters import build_drafter        # prompt_lookup, draft_model, or a head (+ tree policy)
+    from headway.heads.target import load_target, target_preset
+    from headway.infer.engine import Engine, encode_prompts
+    from headway.infer.drafters import build_drafter        # prompt_lookup, draft_model, or a head (+ tree policy)
 
     target = load_target(target_preset("smollm2-135m"))                   # conf/target/smollm2-135m.yaml
     prompts = encode_prompts(target.tokenizer, ["Write a haiku about caches."])   # chat template
@@ -49,14 +49,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
-from heads.base import TargetFeatures
-from infer.calibrate import TreeBudget, calibrate_latency  # noqa: F401  (calibrate_latency re-exported)
-from infer.drafters import Sampling
-from infer.kv_cache import CacheFullError, PagedKVCache  # noqa: F401  (CacheFullError re-exported)
-from heads.sampling import is_greedy, sample, warp_probs
-from infer.tree import ancestor_mask, attention_mask, causal_ancestors, depths
-from infer.verify import verify_tree
-from infer.weight_layout import apply_layout, current_layout
+from headway.heads.base import TargetFeatures
+from headway.infer.calibrate import TreeBudget, calibrate_latency  # noqa: F401  (calibrate_latency re-exported)
+from headway.infer.drafters import Sampling
+from headway.infer.kv_cache import CacheFullError, PagedKVCache  # noqa: F401  (CacheFullError re-exported)
+from headway.heads.sampling import is_greedy, sample, warp_probs
+from headway.infer.tree import ancestor_mask, attention_mask, causal_ancestors, depths
+from headway.infer.verify import verify_tree
+from headway.infer.weight_layout import apply_layout, current_layout
 
 
 class EngineError(ValueError):
@@ -144,7 +144,7 @@ class Engine:
                  eos_token_id: int | list[int] | None = None, max_cache_tokens: int | None = None,
                  weight_layout: str = "auto"):
         """budget: a TreeBudget, or "auto" = this target's T(N) curve on this machine, cached on disk by
-        `python -m infer.calibrate` or measured (a few seconds, once) the first time a drafter runs;
+        `python -m headway.infer.calibrate` or measured (a few seconds, once) the first time a drafter runs;
         "static" = a fixed batch-size throttle only (see infer/calibrate.py).
         max_cache_tokens: cap on the KV pool (all rows together); default: room for every row's worst case.
         Past it generation stops with CacheFullError (the cache is never corrupted).

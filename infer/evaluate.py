@@ -1,7 +1,7 @@
 """Evaluate a draft head (or a training-free drafter) on held-out prompts.
 
-    python -m infer.evaluate checkpoint=RUN/final prompts=chat temperature=0 max_new_tokens=128
-    python -m infer.evaluate checkpoint=none drafter=prompt_lookup prompts=humaneval
+    python -m headway.infer.evaluate checkpoint=RUN/final prompts=chat temperature=0 max_new_tokens=128
+    python -m headway.infer.evaluate checkpoint=none drafter=prompt_lookup prompts=humaneval
 
 For each prompt (batch 1, rendered with the target's chat template) it runs, interleaved so machine noise
 hits all alike: speculative decoding with the drafter, the engine's plain decoding, and HF `generate()`.
@@ -41,14 +41,14 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from heads.base import HeadError, load_head, read_head_config
-from heads.files import atomic_path, write_text_atomic
-from heads.target import TargetError, TargetSpec, load_target, recorded_spec, target_preset
-from infer.engine import CacheFullError, EngineError, Engine, encode_prompts
-from infer.hf_generate import generation_config, hf_generate
-from infer.prompt_sets import PromptSetError, load_prompt_set
-from heads.sampling import is_greedy
-from infer.weight_layout import check_layout, current_layout
+from headway.heads.base import HeadError, load_head, read_head_config
+from headway.heads.files import atomic_path, write_text_atomic
+from headway.heads.target import TargetError, TargetSpec, load_target, recorded_spec, target_preset
+from headway.infer.engine import CacheFullError, EngineError, Engine, encode_prompts
+from headway.infer.hf_generate import generation_config, hf_generate
+from headway.infer.prompt_sets import PromptSetError, load_prompt_set
+from headway.heads.sampling import is_greedy
+from headway.infer.weight_layout import check_layout, current_layout
 
 DEFAULT_TARGET = "smollm2-135m"  # the conf/target preset used when neither target= nor the checkpoint names one
 DRAFTERS = ("head", "prompt_lookup", "draft_model")
@@ -166,7 +166,7 @@ def resolve_device(name: str) -> torch.device:
 
 def build(cfg, device):
     """-> (target, drafter, head name). The target is the one the checkpoint records unless cfg.target."""
-    from infer.drafters import build_drafter
+    from headway.infer.drafters import build_drafter
 
     override = OmegaConf.to_container(cfg.target) if cfg.target is not None else None
     if cfg.drafter == "head":
@@ -394,7 +394,7 @@ def evaluate(cfg, out=print) -> dict:
 ERRORS = (EvalError, HeadError, TargetError, EngineError, CacheFullError)
 
 
-@hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
+@hydra.main(config_path=str(Path(__file__).resolve().parents[1] / "conf"), config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
         evaluate(cfg)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from heads.sampling import is_greedy
-from infer.weight_layout import stock_layout
+from headway.heads.sampling import is_greedy
+from headway.infer.weight_layout import stock_layout
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from heads.target import cache_root
+from headway.heads.target import cache_root
 
 
 def measurement_path(target, what: str) -> Path:

@@ -16,7 +16,7 @@ import gzip
 import json
 from pathlib import Path
 
-from heads.files import check_text_file
+from headway.heads.files import check_text_file
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 ALIASES = {"human-eval": "humaneval", "human_eval": "humaneval"}

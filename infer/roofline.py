@@ -8,10 +8,10 @@ speculative decoding (Leviathan et al. 2023) and the tree size that maximises to
 head's measured acceptance, and prints the prediction next to the engine's measured calibration so one
 sees how close the hardware gets.
 
-    python -m infer.roofline device=h100-sxm target=smollm2-135m
-    python -m infer.roofline device=local target=smollm2-135m acceptance=RUN/eval/eval.json draft_cost=0.05
-    python -m infer.roofline device=h200 config=path/to/config.json dtype=bf16 alpha=0.8 gamma=5
-    python -m infer.roofline device=a100 target=llama-3.1-8b-instruct acceptance=[0.8,0.6,0.4]
+    python -m headway.infer.roofline device=h100-sxm target=smollm2-135m
+    python -m headway.infer.roofline device=local target=smollm2-135m acceptance=RUN/eval/eval.json draft_cost=0.05
+    python -m headway.infer.roofline device=h200 config=path/to/config.json dtype=bf16 alpha=0.8 gamma=5
+    python -m headway.infer.roofline device=a100 target=llama-3.1-8b-instruct acceptance=[0.8,0.6,0.4]
 Keys (conf/roofline.yaml, schema RooflineConfig): device, target (a conf/target preset) or config (an HF
 config.json, a model folder, or a head's final/), dtype, context, alpha, gamma, draft_cost, acceptance,
 max_nodes, top_k, measure. A target's shape is read from its HF config (the embedded default's from its
@@ -33,7 +33,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from heads.target import TargetError, TargetSpec, preset_names, target_config, target_preset
+from headway.heads.target import TargetError, TargetSpec, preset_names, target_config, target_preset
 
 
 class RooflineError(ValueError):
@@ -297,7 +297,7 @@ def best_tree(acceptance: list[float], step_latency, draft_cost: float, max_node
 
 def read_acceptance(value) -> list[float]:
     """Per-depth acceptance from a list, a number, a comma-separated string, or an eval.json (or the folder
-    holding one) written by `python -m infer.evaluate` (its acceptance_by_depth)."""
+    holding one) written by `python -m headway.infer.evaluate` (its acceptance_by_depth)."""
     if isinstance(value, (int, float)):
         value = [value]
     if isinstance(value, str):
@@ -319,7 +319,7 @@ def _acceptance_from_file(path: Path) -> list[float]:
         return list(json.loads(path.read_text())["acceptance_by_depth"])
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise RooflineError(f"{path} has no acceptance_by_depth: pass the eval.json of "
-                            f"`python -m infer.evaluate`") from exc
+                            f"`python -m headway.infer.evaluate`") from exc
 
 
 # ------------------------------------------------------------------------------------------ measured
@@ -327,13 +327,13 @@ def _acceptance_from_file(path: Path) -> list[float]:
 def measured_latency(spec: TargetSpec, sizes: list[int], context: int) -> dict[int, float]:
     """The engine's calibration of T(N) on this machine (seconds per target step of N tokens after
     `context` cached ones), measured now under the engine's weight layout."""
-    from heads.target import load_target
-    from infer.calibrate import calibrate_latency
-    from infer.weight_layout import apply_layout
+    from headway.heads.target import load_target
+    from headway.infer.calibrate import calibrate_latency
+    from headway.infer.weight_layout import apply_layout
 
     target = load_target(spec)
     apply_layout(target.model, "auto", target)  # the engine's weight layout (infer.weight_layout)
-    # save=False: the engine's cached curve (its own context) stays what `python -m infer.calibrate` wrote
+    # save=False: the engine's cached curve (its own context) stays what `python -m headway.infer.calibrate` wrote
     return calibrate_latency(target, sizes, context=context, repeats=3, save=False)
 
 
@@ -451,7 +451,7 @@ def interpolate(curve: dict[int, float]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from heads.cli import run_command
+    from headway.heads.cli import run_command
 
     return run_command("roofline", run, argv, errors=(RooflineError,), usage=__doc__,
                        hint="a config.json or model folder goes in config=PATH; every key: --help")

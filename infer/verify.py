@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from heads.sampling import argmax, sample
+from headway.heads.sampling import argmax, sample
 
 
 def verify_tree(

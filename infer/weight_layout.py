@@ -18,7 +18,7 @@ under the layout the engine runs.
 Layouts:  stock        as loaded (row-major)
           wide-column  Linear weights with out_features > in_features stored column-major
           auto         on a CPU, whichever of the two runs a decode step faster on this machine (measured
-                       once, ~1 s, and cached beside the T(N) curve; `python -m infer.calibrate` prints
+                       once, ~1 s, and cached beside the T(N) curve; `python -m headway.infer.calibrate` prints
                        both times); stock elsewhere (cuBLAS reads both layouts at full speed)
 """
 
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from heads.files import write_json_atomic
-from infer.measurements import measurement_path
+from headway.heads.files import write_json_atomic
+from headway.infer.measurements import measurement_path
 
 LAYOUTS = ("auto", "stock", "wide-column")
 CANDIDATES = ("stock", "wide-column")

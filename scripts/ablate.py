@@ -68,7 +68,7 @@ def train(args, name: str, extra: list[str]) -> tuple[Path, float | None]:
 def evaluate(args, run: Path, prompts: str, count: int) -> dict:
     out = run / "eval" / f"{prompts}-{count}"
     if not (out / "eval.json").is_file():
-        cmd = [sys.executable, "-m", "infer.evaluate", f"checkpoint={run / 'final'}", f"prompts={prompts}",
+        cmd = [sys.executable, "-m", "headway.infer.evaluate", f"checkpoint={run / 'final'}", f"prompts={prompts}",
                f"max_prompts={count}", f"max_new_tokens={args.max_new_tokens}", f"output={out}", *FIXED_TREE]
         out.mkdir(parents=True, exist_ok=True)
         cpu_minutes_of(cmd, out.parent / f"{prompts}-{count}.log")

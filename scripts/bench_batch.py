@@ -18,9 +18,9 @@ import argparse
 import bench_common as bc
 import torch
 
-from infer.calibrate import TreeBudget
-from infer.engine import Engine
-from infer.weight_layout import apply_layout
+from headway.infer.calibrate import TreeBudget
+from headway.infer.engine import Engine
+from headway.infer.weight_layout import apply_layout
 
 
 class FullTree(TreeBudget):
@@ -48,8 +48,8 @@ def parse_args(argv=None):
 
 
 def make_drafter(args, target):
-    from heads.base import load_head
-    from infer.drafters import build_drafter
+    from headway.heads.base import load_head
+    from headway.infer.drafters import build_drafter
 
     if args.head:  # a fixed-shape tree: the throttle, not the cost-planned policy, is what this measures
         head = load_head(args.head, target, device=args.device)

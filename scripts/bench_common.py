@@ -1,4 +1,4 @@
-"""What every benchmark script shares: the repo on sys.path, timing, the table and the headline line.
+"""What every benchmark script shares: timing, the table and the headline line.
 
 Benchmarks compare against a baseline measured in the same run (these machines are noisy: ratios, not
 absolute times), print one table, and end with one line stating the headline ratio as `<number>x`.
@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as `python scripts/bench_x.py` from a clone without `pip install -e .`
-    sys.path.insert(0, str(REPO))
 
 
 def best_time(fn, repeats: int = 3) -> float:
@@ -63,7 +61,7 @@ def headline(ratio: float, what: str) -> None:
 def load_bench_target(name: str, device: str = "cpu", dtype: str | None = "auto"):
     """A preset of conf/target/ (smollm2-135m, tiny-random, smollm2-random, ...) or an HF path/hub name,
     frozen, on `device`."""
-    from heads.target import load_target, target_spec
+    from headway.heads.target import load_target, target_spec
 
     spec = target_spec(name)
     spec.dtype = dtype or spec.dtype  # None: the preset's
@@ -72,8 +70,8 @@ def load_bench_target(name: str, device: str = "cpu", dtype: str | None = "auto"
 
 def bench_prompts(tokenizer, sets: list[str], per_set: int | None) -> list[tuple[str, list[int]]]:
     """(set name, chat-templated token ids) for the first `per_set` prompts of each held-out set."""
-    from infer.engine import encode_prompts
-    from infer.prompt_sets import load_prompt_set
+    from headway.infer.engine import encode_prompts
+    from headway.infer.prompt_sets import load_prompt_set
 
     out = []
     for name in sets:

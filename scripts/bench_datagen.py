@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import bench_common  # noqa: F401  (repo on sys.path)
 from bench_common import print_table
 
 
@@ -40,9 +39,9 @@ def cpu_seconds(fn) -> float:
 def main(argv=None) -> None:
     import torch
 
-    from heads.base import compute_features
-    from heads.target import load_target
-    from train.data.decode import Tap, _Decoder
+    from headway.heads.base import compute_features
+    from headway.heads.target import load_target
+    from headway.train.data.decode import Tap, _Decoder
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

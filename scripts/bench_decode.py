@@ -30,10 +30,10 @@ from pathlib import Path
 import bench_common as bc
 import torch
 
-from infer.calibrate import calibrate_latency
-from infer.engine import Engine
-from infer.hf_generate import generation_config, hf_generate
-from infer.weight_layout import LAYOUTS, apply_layout
+from headway.infer.calibrate import calibrate_latency
+from headway.infer.engine import Engine
+from headway.infer.hf_generate import generation_config, hf_generate
+from headway.infer.weight_layout import LAYOUTS, apply_layout
 
 
 FIXED = ("hf_generate", "hf_prompt_lookup", "headway_plain", "headway_plain_stock", "headway_prompt_lookup")  # not trained heads
@@ -66,9 +66,9 @@ def parse_args(argv=None):
 
 def build_methods(args, target) -> dict:
     """name -> callable(ids, temperature, seed) -> (tokens, seconds, stats or None)."""
-    from heads.base import HeadError, load_head
-    from heads.target import TargetError
-    from infer.drafters import build_drafter
+    from headway.heads.base import HeadError, load_head
+    from headway.heads.target import TargetError
+    from headway.infer.drafters import build_drafter
 
     eos = Engine(target, weight_layout=args.weight_layout).eos.tolist()  # layout resolved in main
     pad = target.tokenizer.pad_token_id

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 
-import bench_common as bc  # noqa: F401  (puts the repo on sys.path)
+import bench_common as bc
 import torch
 from transformers import DynamicCache
 
-from infer.kv_cache import PagedKVCache
+from headway.infer.kv_cache import PagedKVCache
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

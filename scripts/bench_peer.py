@@ -85,7 +85,7 @@ def save_target_folder(args) -> Path:
     folder = args.out / "target"
     if (folder / "config.json").is_file():
         return folder
-    from heads.target import load_target
+    from headway.heads.target import load_target
 
     target = load_target(dict(target_spec(args), dtype="float32"))
     tmp = folder.with_name("target.tmp")
@@ -142,8 +142,8 @@ def peer_data(args, seed: int, target_dir: Path, head: Path) -> tuple[Path, dict
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from heads.eagle3 import default_aux_layers
-    from train.data import build_datasets
+    from headway.heads.eagle3 import default_aux_layers
+    from headway.train.data import build_datasets
 
     cfg = OmegaConf.load(REPO / "conf" / "data" / ("tiny.yaml" if args.quick else "default.yaml"))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -201,7 +201,7 @@ def train_peer(args, python: Path, seed: int, target_dir: Path, data: Path, info
 # ----------------------------------------------------------------------------------------- judge
 
 def judge_prompts(args) -> list[str]:
-    from train.data.prompt_sets import load_prompt_set
+    from headway.train.data.prompt_sets import load_prompt_set
 
     taken, per = [], {}
     for row in load_prompt_set("mt-bench"):

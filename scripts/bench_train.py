@@ -31,7 +31,7 @@ import bench_common as bc
 import torch
 from omegaconf import OmegaConf
 
-from heads.base import build_head, compute_features
+from headway.heads.base import build_head, compute_features
 
 LINEAR_SLACK = 1.5  # per-token cost may grow this much from the shortest to the longest length
 
@@ -123,7 +123,7 @@ def time_features(target, batch, layers, args, cache_dir: Path):
     back through the training pipeline's hidden-state cache (train.data.hidden_cache), built here first."""
     from datasets import Dataset
 
-    from train.data.hidden_cache import OfflineFeatureSource, build_cache
+    from headway.train.data.hidden_cache import OfflineFeatureSource, build_cache
 
     def online_fn():
         return compute_features(target.model, batch["input_ids"], batch["attention_mask"], layers)

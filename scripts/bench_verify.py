@@ -16,11 +16,11 @@ import functools
 import statistics
 import time
 
-import bench_common as bc  # noqa: F401  (puts the repo on sys.path)
+import bench_common as bc
 import torch
 
-from heads.sampling import sample
-from infer.verify import verify_tree
+from headway.heads.sampling import sample
+from headway.infer.verify import verify_tree
 
 RULES = ("topk", "sampled", "greedy")
 

@@ -29,17 +29,15 @@ from pathlib import Path
 from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from hydra.core.config_store import ConfigStore  # noqa: E402
+from hydra.core.config_store import ConfigStore
 
-from heads.base import HeadError  # noqa: E402
-from heads.cli import run_command  # noqa: E402
-from heads.target import TargetError  # noqa: E402
-from train.config import TrainConfig  # noqa: E402  (registers the training schema)
-from train.data.config import DataError  # noqa: E402
-from train.config import ConfigError  # noqa: E402
+from headway.heads.base import HeadError
+from headway.heads.cli import run_command
+from headway.heads.target import TargetError
+from headway.train.config import TrainConfig  # registers the training schema
+from headway.train.data.config import DataError
+from headway.train.config import ConfigError
 
 
 @dataclass
@@ -63,7 +61,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 def head_layers(cfg, target) -> list[int]:
     from omegaconf import OmegaConf
 
-    from heads.base import build_head
+    from headway.heads.base import build_head
 
     options = OmegaConf.to_container(cfg.head.options, resolve=True) or {}
     return build_head(cfg.head.kind, target, **options).feature_layers()
@@ -71,8 +69,8 @@ def head_layers(cfg, target) -> list[int]:
 
 def read_throughput(directory, target, layers, datasets, batch_size: int) -> float:
     """Tokens/s reading features back through the offline source (what a training step does)."""
-    from train.data import collate_fn
-    from train.data.hidden_cache import OfflineFeatureSource
+    from headway.train.data import collate_fn
+    from headway.train.data.hidden_cache import OfflineFeatureSource
 
     source = OfflineFeatureSource(directory, target, layers, validate_samples=0)
     collate = collate_fn(target.tokenizer.pad_token_id or 0)
@@ -102,10 +100,10 @@ def build(cfg) -> dict:
     import torch
     from omegaconf import OmegaConf
 
-    from heads.target import load_target, resolve_dtype
-    from train.data import build_datasets
-    from train.config import check_fits_context
-    from train.data.hidden_cache import HiddenStateCache, build_cache
+    from headway.heads.target import load_target, resolve_dtype
+    from headway.train.data import build_datasets
+    from headway.train.config import check_fits_context
+    from headway.train.data.hidden_cache import HiddenStateCache, build_cache
 
     opts, out = cfg.cache, cfg.data.hidden_cache
     if not out:

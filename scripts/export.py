@@ -22,7 +22,6 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 log = logging.getLogger("export")
 
@@ -50,8 +49,8 @@ ConfigStore.instance().store(name="export_schema", node=ExportConfig)
 
 def export(cfg: DictConfig) -> Path:
     """Run one export described by a composed conf/export.yaml; returns the output folder."""
-    from heads.formats.hub import check_repo_id, hub_token, push_folder
-    from heads.formats.io import export_head
+    from headway.heads.formats.hub import check_repo_id, hub_token, push_folder
+    from headway.heads.formats.io import export_head
 
     if cfg.push:  # check what can fail cheaply before the target loads
         check_repo_id(cfg.repo_id)
@@ -70,9 +69,9 @@ def export(cfg: DictConfig) -> Path:
 
 def run(cfg: DictConfig) -> int:
     """Export, printing the output folder; bad input -> one `export error: ...` line on stderr, exit code 2."""
-    from heads.base import HeadError
-    from heads.formats.common import ExportError
-    from heads.target import TargetError
+    from headway.heads.base import HeadError
+    from headway.heads.formats.common import ExportError
+    from headway.heads.target import TargetError
 
     try:
         out = export(cfg)

@@ -26,16 +26,14 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-import hydra  # noqa: E402
-from hydra.core.config_store import ConfigStore  # noqa: E402
-from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: E402
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
 
-from heads.target import TargetError, TargetSpec, load_target  # noqa: E402
-from train.data.config import DataConfig, DataError, RegenConfig  # noqa: E402
-from train.data.regenerate import GenerationSettings, prompt_rows, regenerate  # noqa: E402
+from headway.heads.target import TargetError, TargetSpec, load_target
+from headway.train.data.config import DataConfig, DataError, RegenConfig
+from headway.train.data.regenerate import GenerationSettings, prompt_rows, regenerate
 
 
 @dataclass
@@ -60,10 +58,10 @@ ConfigStore.instance().store(name="prepare_data_schema", node=PrepareConfig)
 
 def load_input(cfg: PrepareConfig) -> list[dict]:
     if cfg.input == "builtin:default":
-        from train.data.default_set import default_prompts
+        from headway.train.data.default_set import default_prompts
 
         return default_prompts(cfg.max_conversations)
-    from train.data.build import load_raw
+    from headway.train.data.build import load_raw
 
     raw = load_raw(DataConfig(source=cfg.input, subset=cfg.subset, data_files=cfg.data_files,
                               split=cfg.split), cfg.input)
@@ -83,7 +81,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         ("cpu" if cfg.device == "auto" else cfg.device)
     started = time.perf_counter()
     if cfg.input == "builtin:default" and not cfg.output:  # exactly what data=default builds on first use
-        from train.data.default_set import ensure_default_dataset, report_path
+        from headway.train.data.default_set import ensure_default_dataset, report_path
 
         regen = RegenConfig(**{**vars(cfg.default_set.regen), "num_prompts": cfg.max_conversations})
         final = ensure_default_dataset(regen, device, default_set_capture(cfg, regen, device))
@@ -106,8 +104,8 @@ def default_set_capture(cfg: PrepareConfig, regen: RegenConfig, device: str):
     when the target is not the one that writes the data)."""
     if not cfg.capture_head or (cfg.target.path, cfg.target.name) != (regen.target, regen.target_name):
         return None
-    from heads.base import build_head
-    from train.data.capture import capture_plan
+    from headway.heads.base import build_head
+    from headway.train.data.capture import capture_plan
 
     head_conf = ROOT / "conf" / "head" / f"{cfg.capture_head}.yaml"
     if not head_conf.is_file():

@@ -34,7 +34,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 PEERS = ROOT / "scripts" / "peers"
 TOLERANCE = 1e-5  # max |logit difference| between a peer's forward and headway's
 TINY_HD32 = {"num_attention_heads": 2, "num_key_value_heads": 1}  # hidden 64 / 2 heads: head_dim 32
@@ -116,7 +115,7 @@ def venv_versions(python: Path, packages: list[str]) -> dict:
 # ---------------------------------------------------------------------------------------- targets
 
 def save_tiny_target(folder: Path) -> None:
-    from heads.target import build_tiny_random
+    from headway.heads.target import build_tiny_random
 
     model, tokenizer = build_tiny_random(seed=0, overrides=TINY_HD32)
     save_folder(model, tokenizer, folder)
@@ -124,7 +123,7 @@ def save_tiny_target(folder: Path) -> None:
 
 def save_smollm2_target(folder: Path) -> None:
     """SmolLM2-135M-Instruct from the GGUF that heads.target fetches, dequantised to fp32."""
-    from heads.target import load_target
+    from headway.heads.target import load_target
 
     import copy
 
@@ -220,8 +219,8 @@ def headway_chain(head, target, context: list[int], depth: int) -> list[int]:
     """The `depth` tokens headway's engine drafts (top-1 chain, whole vocabulary) after `context`."""
     import torch
 
-    from heads.base import compute_features
-    from infer.drafters import Chain, HeadProposer, TreeDrafter
+    from headway.heads.base import compute_features
+    from headway.infer.drafters import Chain, HeadProposer, TreeDrafter
 
     ids = torch.tensor([context])  # [1, L]: x_0..x_m, the root x_m has no feature yet
     L = ids.shape[1]
@@ -313,8 +312,8 @@ def eagle3_inputs(head, target, prompt: list[int]):
     0..m-1) and headway's draft logits over the draft vocabulary at the newest position."""
     import torch
 
-    from heads.base import compute_features
-    from infer.drafters import HeadProposer, TreeDrafter, Chain
+    from headway.heads.base import compute_features
+    from headway.infer.drafters import HeadProposer, TreeDrafter, Chain
 
     ids = torch.tensor([prompt])
     L = ids.shape[1]
@@ -408,9 +407,9 @@ def main(argv=None) -> int:
 
 
 def check_target(target_name: str, args, pythons: dict, log) -> list[Row]:
-    from heads.formats.eagle3 import full_vocab
-    from heads.formats.io import export_head, load_export
-    from heads.target import load_target
+    from headway.heads.formats.eagle3 import full_vocab
+    from headway.heads.formats.io import export_head, load_export
+    from headway.heads.target import load_target
 
     target_dir = args.work / "targets" / target_name
     if not (target_dir / "config.json").is_file():

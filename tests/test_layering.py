@@ -20,15 +20,21 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
+def unprefixed(name: str) -> str:
+    """headway.infer.engine -> infer.engine: the folders install under the `headway` namespace."""
+    return name.removeprefix("headway.")
+
+
 def imports(path: Path, known: set[str]) -> set[str]:
     """Project modules `path` imports anywhere in its code (`from a import b` counts a.b when b is a module)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
+            found |= {unprefixed(alias.name) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            subs = {f"{node.module}.{alias.name}" for alias in node.names}
-            found |= (subs & known) or {node.module}
+            module = unprefixed(node.module)
+            subs = {f"{module}.{alias.name}" for alias in node.names}
+            found |= (subs & known) or {module}
     return {name for name in found if name.split(".")[0] in PACKAGES}
 
 

@@ -27,9 +27,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
-from heads.base import save_head, unwrap
-from heads.files import file_sha256, swap_in
-from train.config import ConfigError, TrainingError
+from headway.heads.base import save_head, unwrap
+from headway.heads.files import file_sha256, swap_in
+from headway.train.config import ConfigError, TrainingError
 
 log = logging.getLogger(__name__)  # plain logging: find_checkpoint also runs without an Accelerator
 
@@ -166,7 +166,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: d
 
 def run_identity(kind: str, options: dict, target) -> dict:
     """What a checkpoint must match to be resumed: the head and the full target identity."""
-    from heads.target import target_identity
+    from headway.heads.target import target_identity
 
     return {"head": kind, "head_options": options, "target": target.spec.name,
             "target_identity": target_identity(target)}

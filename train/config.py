@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from heads.target import TargetSpec
-from train.data.config import DataConfig
+from headway.heads.target import TargetSpec
+from headway.train.data.config import DataConfig
 
 
 class ConfigError(ValueError):

@@ -27,14 +27,14 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
-from heads.base import DraftHead, build_head, simulated_tau
-from heads.target import load_target
-from train.checkpoints import load_checkpoint, resume_point, run_identity, save_checkpoint, save_head_folder
-from train.config import ConfigError, TrainingError, check_config, check_fits_context
-from train.data import build_datasets, collate_fn, make_feature_source, token_counts
-from train.data.batching import LengthGroupedBatches, example_lengths
-from train.data.capture import capture_plan
-from train.metrics import MetricsLog
+from headway.heads.base import DraftHead, build_head, simulated_tau
+from headway.heads.target import load_target
+from headway.train.checkpoints import load_checkpoint, resume_point, run_identity, save_checkpoint, save_head_folder
+from headway.train.config import ConfigError, TrainingError, check_config, check_fits_context
+from headway.train.data import build_datasets, collate_fn, make_feature_source, token_counts
+from headway.train.data.batching import LengthGroupedBatches, example_lengths
+from headway.train.data.capture import capture_plan
+from headway.train.metrics import MetricsLog
 
 log = get_logger(__name__)
 
@@ -166,7 +166,7 @@ def with_hidden_cache(data_cfg, accelerator: Accelerator, target, datasets, laye
     epoch after the first costs only the head's own compute."""
     if data_cfg.hidden_states != "offline" or data_cfg.hidden_cache:
         return data_cfg
-    from train.data.hidden_cache import auto_cache_dir, build_cache
+    from headway.train.data.hidden_cache import auto_cache_dir, build_cache
 
     directory = auto_cache_dir(target, layers, data_cfg.cache_logits, data_cfg.logits_topk)
     # every rank computes its share of what is missing (what data generation did not capture)

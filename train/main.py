@@ -17,31 +17,29 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0]).resolve() == ROOT / "train":
-    sys.path.pop(0)  # run as a script: train/ itself must not shadow top-level modules (config, data, ...)
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-import hydra  # noqa: E402
-from hydra.errors import HydraException  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-from omegaconf.errors import OmegaConfBaseException  # noqa: E402
-from safetensors import SafetensorError  # noqa: E402
+import hydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+from safetensors import SafetensorError
 
-from heads.base import HeadError  # noqa: E402
-from heads.cli import config_error  # noqa: E402
-from heads.target import TargetError  # noqa: E402
-from train.config import ConfigError  # noqa: E402  (registers the config schema)
-from train.data import DataError  # noqa: E402
+from headway.heads.base import HeadError
+from headway.heads.cli import config_error
+from headway.heads.target import TargetError
+from headway.train.config import ConfigError  # registers the config schema
+from headway.train.data import DataError
 
 USER_ERRORS = (ConfigError, HeadError, TargetError, DataError)
 FULL_ERRORS = bool(os.environ.get("HYDRA_FULL_ERROR"))  # the user asked for Hydra's tracebacks
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+CONF = str(Path(__file__).resolve().parents[1] / "conf")  # a path: run as a script or as headway-train
+
+
+@hydra.main(config_path=CONF, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from train.loop import train
+    from headway.train.loop import train
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # not a line per checkpoint file
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
-from heads.files import write_text_atomic
+from headway.heads.files import write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from heads.formats.common import ExportError, Provenance
+from headway.heads.formats.common import ExportError, Provenance
 
 LAYOUTS: dict[str, "Layout"] = {}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from heads.formats.common import ExportError, is_local_path
+from headway.heads.formats.common import ExportError, is_local_path
 
 EVAL_GLOBS = ("eval*.json", "*/eval.json", "eval/*/eval.json")  # infer.evaluate writes RUN/eval/<set>-t<T>/
 
@@ -57,7 +57,7 @@ def _fmt(value, digits=2) -> str:
 def eval_table(results: list[dict]) -> str:
     if not results:
         return ("No evaluation was recorded with this export. Measure it with\n"
-                "`python -m infer.evaluate checkpoint=RUN/final temperature=0` (and `temperature=1`).\n")
+                "`python -m headway.infer.evaluate checkpoint=RUN/final temperature=0` (and `temperature=1`).\n")
     rows = ["| eval | temperature | tau | acceptance by depth | tokens/s (spec / plain / HF generate) "
             "| speedup vs plain | speedup vs HF generate | prompts | hardware |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -176,7 +176,7 @@ the target alone, only faster.
 ## Serving
 
 {layout.usage}{serve}
-To run it with headway itself: `heads.formats.io.load_export(<folder>)` returns the head for `infer/`.
+To run it with headway itself: `headway.heads.formats.io.load_export(<folder>)` returns the head for `infer/`.
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
 

@@ -11,7 +11,7 @@ from typing import Callable
 from safetensors import SafetensorError
 from torch import Tensor
 
-from heads.files import atomic_path
+from headway.heads.files import atomic_path
 
 PROVENANCE_FILE = "headway.json"
 EMBEDDED_HUB_IDS = {"embedded:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}

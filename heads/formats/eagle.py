@@ -26,8 +26,8 @@ import json
 
 import torch
 
-from heads.formats import Layout, Serve, register_layout
-from heads.formats.common import llama_layer_fields, refuse_attention_bias
+from headway.heads.formats import Layout, Serve, register_layout
+from headway.heads.formats.common import llama_layer_fields, refuse_attention_bias
 
 # SGLang resolves the first name, vLLM maps each to "Eagle" + name and resolves the first it knows:
 # "EagleLlamaForCausalLMEagle" is unknown to it, "EagleLlamaForCausalLM" is its EAGLE-1 model.

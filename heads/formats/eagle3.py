@@ -59,9 +59,9 @@ from __future__ import annotations
 
 import torch
 
-from heads.formats import Layout, Serve, register_layout
-from heads.formats.common import ExportError, llama_layer_fields, refuse_attention_bias
-from heads.formats.eagle import eagle_serve_commands
+from headway.heads.formats import Layout, Serve, register_layout
+from headway.heads.formats.common import ExportError, llama_layer_fields, refuse_attention_bias
+from headway.heads.formats.eagle import eagle_serve_commands
 
 SPEC_PREFIX = "layers.0."
 VOCAB_MAPS = ("d2t", "t2d")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from heads.formats.common import ExportError
+from headway.heads.formats.common import ExportError
 
 
 def check_repo_id(repo_id: str | None) -> str:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from heads.base import HEAD_REGISTRY, WEIGHTS_NAME, DraftHead, _import_builtin_heads, load_head, read_head_config
-from heads.formats import Layout, layout_for
-from heads.files import file_sha256
-from heads.formats.common import (PROVENANCE_FILE, ExportError, Provenance, check_output, check_output_apart,
+from headway.heads.base import HEAD_REGISTRY, WEIGHTS_NAME, DraftHead, _import_builtin_heads, load_head, read_head_config
+from headway.heads.formats import Layout, layout_for
+from headway.heads.files import file_sha256
+from headway.heads.formats.common import (PROVENANCE_FILE, ExportError, Provenance, check_output, check_output_apart,
                                   check_tensors, check_writable, load_tensors, rename, require_finite,
                                   require_zero, save_tensors, target_reference, write_atomically)
 
@@ -68,7 +68,7 @@ def export_head(final_dir, output, fmt: str = "auto", overwrite: bool = False, e
     """Export the head in `final_dir` to `output` (atomically) with a model card; returns `output`.
     `where` is what the card's serving commands load (the Hub repo id when pushing; default: `output`).
     The output never is, contains or lies inside `final_dir` or its run directory."""
-    from heads.formats.card import find_eval, model_card
+    from headway.heads.formats.card import find_eval, model_card
 
     final_dir, output = Path(final_dir), Path(output)
     check_output_apart(output, final_dir)  # fail before the (slow) target load
@@ -112,8 +112,8 @@ def build_empty_head(prov: Provenance, target) -> DraftHead:
 def load_export(folder, target=None, device="cpu", trust_remote_code: bool = False) -> DraftHead:
     """Rebuild the headway head from an exported folder (any layout), e.g. to run it with infer/. The target
     headway.json names is loaded with the caller's `trust_remote_code`, never the one the file records."""
-    from heads.base import check_fits_target
-    from heads.target import load_target, recorded_spec
+    from headway.heads.base import check_fits_target
+    from headway.heads.target import load_target, recorded_spec
 
     folder = Path(folder)
     prov = read_provenance(folder)

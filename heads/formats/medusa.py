@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 
-from heads.formats import Layout, Serve, register_layout
+from headway.heads.formats import Layout, Serve, register_layout
 
 
 def _sizes(head) -> tuple[int, int]:  # (K heads, L residual layers per head)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 
-from heads.formats import Layout, Serve, register_layout
+from headway.heads.formats import Layout, Serve, register_layout
 
 SHARD = "model-mtp.safetensors"
 BLOCK = "mtp_block."

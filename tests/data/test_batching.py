@@ -2,7 +2,7 @@
 
 import torch
 
-from train.data.batching import LengthGroupedBatches
+from headway.train.data.batching import LengthGroupedBatches
 
 
 def lengths(n: int = 403) -> list[int]:

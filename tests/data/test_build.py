@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from train.data import DataConfig, DataError, build_datasets, collate_fn, token_counts
-from train.data.conversations import end_of_turn_markers, tokenize_conversation
+from headway.train.data import DataConfig, DataError, build_datasets, collate_fn, token_counts
+from headway.train.data.conversations import end_of_turn_markers, tokenize_conversation
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -58,7 +58,7 @@ def test_mask_covers_exactly_assistant_tokens_smollm2(smollm2_tokenizer):
 
 
 def test_mask_llama3_style_template():
-    from heads.target import build_tiny_tokenizer
+    from headway.heads.target import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>",
@@ -182,7 +182,7 @@ def test_data_yaml_matches_schema(name):
 
 
 def test_row_rejected_by_the_chat_template_is_skipped(tmp_path):
-    from heads.target import CHATML_TEMPLATE, build_tiny_tokenizer
+    from headway.heads.target import CHATML_TEMPLATE, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()  # a strict template, like Mistral's: roles must alternate
     tok.chat_template = ("{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]"

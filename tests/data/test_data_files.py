@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from train.data import DataError, build_datasets
+from headway.train.data import DataError, build_datasets
 
 ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 GOOD = json.dumps(ROW) + "\n"

@@ -4,9 +4,9 @@ to a teacher-forced forward over the training ids."""
 import pytest
 import torch
 
-from heads.base import compute_features
-from heads.target import load_target
-from train.data.decode import Tap, decode
+from headway.heads.base import compute_features
+from headway.heads.target import load_target
+from headway.train.data.decode import Tap, decode
 
 MAX_NEW = 10
 

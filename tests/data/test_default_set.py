@@ -6,14 +6,14 @@ import json
 import pytest
 import torch
 
-from heads.target import load_target
-from train.data import DataConfig, DataError, build_datasets
-from train.data.capture import capture_plan
-from train.data.config import RegenConfig
-from train.data.hidden_cache import HiddenStateCache, build_cache
-from train.data.overlap import OverlapIndex, evaluation_prompts
-from train.data.regenerate import JsonlSink
-from train.data.self_prompts import CATEGORIES, select_prompts, user_turn_prefix
+from headway.heads.target import load_target
+from headway.train.data import DataConfig, DataError, build_datasets
+from headway.train.data.capture import capture_plan
+from headway.train.data.config import RegenConfig
+from headway.train.data.hidden_cache import HiddenStateCache, build_cache
+from headway.train.data.overlap import OverlapIndex, evaluation_prompts
+from headway.train.data.regenerate import JsonlSink
+from headway.train.data.self_prompts import CATEGORIES, select_prompts, user_turn_prefix
 
 LAYERS = [2, 4]  # an eagle3-like head on the tiny target (4 layers): aux layer 2 and the last one
 REGEN = dict(target="tiny-random", target_name="tiny-random", num_prompts=10, max_new_tokens=8, batch_size=5,
@@ -115,7 +115,7 @@ def test_filters_drop_unusable_duplicate_and_held_out_prompts():
 
 
 def test_built_in_training_prompts_never_overlap_evaluation_prompts():
-    from train.data.default_set import default_prompts
+    from headway.train.data.default_set import default_prompts
 
     held_out = OverlapIndex(evaluation_prompts())
     bad = [(p["id"], why) for p in default_prompts() if (why := held_out.overlap(p["prompt"]))]

@@ -7,10 +7,10 @@ import pytest
 import torch
 import yaml
 
-from heads.base import build_head
-from heads.target import load_target
-from train.data import DataConfig, build_datasets, collate_fn, make_feature_source, token_counts
-from train.data.hidden_cache import HiddenCacheError, HiddenStateCache, build_cache, read_index
+from headway.heads.base import build_head
+from headway.heads.target import load_target
+from headway.train.data import DataConfig, build_datasets, collate_fn, make_feature_source, token_counts
+from headway.train.data.hidden_cache import HiddenCacheError, HiddenStateCache, build_cache, read_index
 
 LAYERS = [1, 2, 3]  # plus the last (4) always: what every head reads from the tiny target
 
@@ -169,7 +169,7 @@ def stored_cfg(directory, mode, k=64):
 
 
 def test_kl_to_target_over_the_support_of_a_top_k_target():
-    from heads.layers import kl_to_target
+    from headway.heads.layers import kl_to_target
 
     torch.manual_seed(0)
     q = torch.randn(3, 5, 11, requires_grad=True)
@@ -233,7 +233,7 @@ def test_training_losses_from_stored_logits(kind, options, target, data, logit_c
 
 
 def test_logit_mode_is_part_of_the_cache_identity(target, data, cache_dir, logit_caches, tmp_path):
-    from train.data.hidden_cache import auto_cache_dir
+    from headway.train.data.hidden_cache import auto_cache_dir
 
     top8 = logit_caches["top8"][0]
     with pytest.raises(HiddenCacheError, match="built with cache_logits=topk logits_topk=8, not cache_logits=full"):
@@ -271,7 +271,7 @@ def rewrite_shard(directory, change):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from heads.files import file_sha256
+    from headway.heads.files import file_sha256
 
     path = directory / "shard-00000.safetensors"
     with safe_open(str(path), framework="pt") as reader:

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from heads.target import load_target
-from train.data.regenerate import GenerationSettings, done_ids, prompt_rows, regenerate
+from headway.heads.target import load_target
+from headway.train.data.regenerate import GenerationSettings, done_ids, prompt_rows, regenerate
 
 PROMPTS = [{"id": f"p{i}", "category": "qa", "prompt": f"Question number {i}?" + "!" * i} for i in range(5)]
 MULTI_TURN = {"id": "mt", "conversations": [
@@ -70,8 +70,8 @@ def test_prepare_data_cli(tmp_path):
 def test_prepare_data_bad_input_is_a_clear_error(tmp_path):
     import importlib.util
 
-    from heads.target import TargetSpec
-    from train.data import DataError
+    from headway.heads.target import TargetSpec
+    from headway.train.data import DataError
 
     spec = importlib.util.spec_from_file_location("prepare_data", "scripts/prepare_data.py")
     script = importlib.util.module_from_spec(spec)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from head_helpers import chat_batch
-from heads.target import load_target
+from headway.heads.target import load_target
 
 torch.set_num_threads(1)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from heads.base import TargetFeatures, build_head, compute_features
+from headway.heads.base import TargetFeatures, build_head, compute_features
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "head"
 KINDS = sorted(p.stem for p in CONF.glob("*.yaml"))  # every head config is tested

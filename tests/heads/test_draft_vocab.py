@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from head_helpers import KINDS, begin, features, make_head
-from heads.base import COUNTS_NAME, HeadError, load_head, save_head
+from headway.heads.base import COUNTS_NAME, HeadError, load_head, save_head
 
 
 def skewed_counts(vocab_size: int) -> torch.Tensor:

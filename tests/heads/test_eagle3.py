@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from head_helpers import check_cached_chain, features, make_head
-from heads.base import HeadError, load_head, save_head
-from heads.eagle3 import default_aux_layers
+from headway.heads.base import HeadError, load_head, save_head
+from headway.heads.eagle3 import default_aux_layers
 
 VD = 64
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from head_helpers import KINDS, at_anchor, begin, check_cached_chain, features, make_head, yaml_options
-from heads.base import HeadError, build_head, load_head, save_head
+from headway.heads.base import HeadError, build_head, load_head, save_head
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -84,8 +84,8 @@ def test_tree_siblings_do_not_see_each_other(kind, target, batch):
 
 
 def test_a_head_missing_part_of_the_contract_cannot_be_built(target):
-    from heads.base import DraftHead
-    from heads.medusa import MedusaHead
+    from headway.heads.base import DraftHead
+    from headway.heads.medusa import MedusaHead
 
     class NoDrafting(DraftHead):  # trains, but cannot draft
         num_depths = 1
@@ -102,8 +102,8 @@ def test_a_head_missing_part_of_the_contract_cannot_be_built(target):
 
 
 def test_a_kind_names_one_head_only():
-    from heads.base import HEAD_REGISTRY, register_head
-    from heads.medusa import MedusaHead
+    from headway.heads.base import HEAD_REGISTRY, register_head
+    from headway.heads.medusa import MedusaHead
 
     class Impostor(MedusaHead):
         pass

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from head_helpers import features, make_head
-from heads.layers import kl_to_target, masked_mean, shift_left
+from headway.heads.layers import kl_to_target, masked_mean, shift_left
 
 READOUT_KINDS = ["eagle", "medusa", "mtp"]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads.base import build_head, save_head
-from heads.formats.io import export_head, load_export
-from heads.target import build_tiny_random, load_target
+from headway.heads.base import build_head, save_head
+from headway.heads.formats.io import export_head, load_export
+from headway.heads.target import build_tiny_random, load_target
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "train"))
@@ -83,7 +83,7 @@ def test_the_plant_runs_when_the_user_asks(plant, tmp_path, monkeypatch):
 def test_evaluate_never_runs_a_checkpoints_code(plant, hostile_head, tmp_path):
     from test_evaluate import make_cfg, quiet
 
-    from infer import evaluate as ev
+    from headway.infer import evaluate as ev
 
     _, marker = plant
     prompts = tmp_path / "p.jsonl"
@@ -125,8 +125,8 @@ class Planted:
 def test_resume_never_runs_a_checkpoints_code(plant, tmp_path, caplog):
     """A checkpoint whose random state is a code-running pickle (checksums updated to match) and whose trainer
     state asks for the planted target: resume loads neither, and says the random state was not restored."""
-    from train.checkpoints import CHECKSUMS, STATE_FILE, checksums, step_dirs
-    from train.loop import train
+    from headway.train.checkpoints import CHECKSUMS, STATE_FILE, checksums, step_dirs
+    from headway.train.loop import train
     from train_helpers import compose_train
 
     folder, marker = plant

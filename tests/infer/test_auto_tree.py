@@ -3,11 +3,11 @@ cheap drafting and good heads get big trees, expensive drafting or slow wide ste
 
 import torch
 
-from heads.base import build_head, load_head, save_head
-from heads.target import load_target
-from infer.calibrate import TreeBudget
-from infer.drafters import AutoTree, build_drafter
-from infer.engine import Engine
+from headway.heads.base import build_head, load_head, save_head
+from headway.heads.target import load_target
+from headway.infer.calibrate import TreeBudget
+from headway.infer.drafters import AutoTree, build_drafter
+from headway.infer.engine import Engine
 
 
 class Proposer:  # what AutoTree reads from a proposer

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from heads.target import load_target
-from infer.calibrate import TreeBudget, calibrate_latency, main
+from headway.heads.target import load_target
+from headway.infer.calibrate import TreeBudget, calibrate_latency, main
 
 
 def roofline(ridge: int):

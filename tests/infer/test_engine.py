@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from heads.target import load_target
-from infer.engine import CacheFullError, EngineError, Engine
+from headway.heads.target import load_target
+from headway.infer.engine import CacheFullError, EngineError, Engine
 
 
 @pytest.fixture(scope="module")

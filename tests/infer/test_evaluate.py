@@ -1,4 +1,4 @@
-"""`python -m infer.evaluate` on the tiny target: eval.json schema, lossless greedy output, the training-free
+"""`python -m headway.infer.evaluate` on the tiny target: eval.json schema, lossless greedy output, the training-free
 baseline, and one clear error (exit 2, nothing written) for every kind of bad input."""
 
 import json
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from heads.base import build_head, save_head
-from heads.target import TargetSpec, load_target
-from infer import evaluate as ev
+from headway.heads.base import build_head, save_head
+from headway.heads.target import TargetSpec, load_target
+from headway.infer import evaluate as ev
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"path": "tiny-random", "name": "tiny-random"}
@@ -164,7 +164,7 @@ def test_bad_input_raises_one_clear_error_and_writes_nothing(case, head_dir, pro
 
 def test_cli_bad_input_exits_2_with_one_line(head_dir, prompts_file, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "infer.evaluate", f"checkpoint={head_dir}",
+    proc = subprocess.run([sys.executable, "-m", "headway.infer.evaluate", f"checkpoint={head_dir}",
                            f"prompts={prompts_file}", "temperature=-1", f"output={tmp_path / 'o'}"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 2
@@ -174,7 +174,7 @@ def test_cli_bad_input_exits_2_with_one_line(head_dir, prompts_file, tmp_path):
 
 
 def test_max_prompts_samples_every_category():
-    from infer.evaluate import load_prompts
+    from headway.infer.evaluate import load_prompts
 
     rows = load_prompts("chat", 16)
     categories = [r["category"] for r in rows]

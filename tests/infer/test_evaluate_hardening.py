@@ -11,11 +11,11 @@ import pytest
 import torch
 from test_evaluate import TINY, make_cfg, quiet
 
-from heads.base import build_head, save_head
-from heads.target import TargetSpec, load_target
-from infer import evaluate as ev
-from infer.engine import EngineError, Engine
-from heads.sampling import warp_probs
+from headway.heads.base import build_head, save_head
+from headway.heads.target import TargetSpec, load_target
+from headway.infer import evaluate as ev
+from headway.infer.engine import EngineError, Engine
+from headway.heads.sampling import warp_probs
 
 REPO = ev.Path(__file__).resolve().parents[2]
 torch.set_num_threads(1)
@@ -95,7 +95,7 @@ def test_a_full_disk_at_the_end_is_one_line_and_leaves_no_file(eagle_dir, prompt
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-    proc = subprocess.run([sys.executable, "-m", "infer.evaluate", f"checkpoint={eagle_dir}", f"prompts={prompts}",
+    proc = subprocess.run([sys.executable, "-m", "headway.infer.evaluate", f"checkpoint={eagle_dir}", f"prompts={prompts}",
                            "max_new_tokens=4", "baselines=[]", "plot=false", "budget=static",
                            "weight_layout=stock", f"output={out}"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600, preexec_fn=small_files)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from infer.kv_cache import CacheFullError, PagedKVCache
+from headway.infer.kv_cache import CacheFullError, PagedKVCache
 
 H, D, LAYERS = 2, 4, 3
 
@@ -124,9 +124,9 @@ def test_compact_keeps_the_accepted_path_at_consecutive_positions():
 
 
 def test_paged_context_kv_is_a_drop_in_for_the_heads_context_kv():
-    from heads.layers import ContextKV
+    from headway.heads.layers import ContextKV
 
-    from infer.kv_cache import PagedContextKV
+    from headway.infer.kv_cache import PagedContextKV
 
     torch.manual_seed(0)
     dense, paged = ContextKV(3, 40), PagedContextKV(3, 40, block_size=4)

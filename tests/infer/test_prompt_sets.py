@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from infer.prompt_sets import PromptSetError, load_prompt_set
+from headway.infer.prompt_sets import PromptSetError, load_prompt_set
 
 CHAT_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -53,7 +53,7 @@ def training_prompts() -> list[str]:
     """Every user turn of the built-in training sets."""
     rows = [json.loads(line) for line in open("train/data/builtin/tiny.jsonl")]
     prompts = [m["content"] for r in rows for m in r["messages"] if m["role"] == "user"]
-    from train.data.default_set import default_prompts
+    from headway.train.data.default_set import default_prompts
 
     return prompts + [p["prompt"] for p in default_prompts()]
 

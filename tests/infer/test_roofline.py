@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from heads.target import target_config, target_preset
-from infer import roofline as rf
+from headway.heads.target import target_config, target_preset
+from headway.infer import roofline as rf
 
 H100 = rf.DEVICES["h100-sxm"]
 # A 7B-class Llama: d_model far above the token counts of interest, so I(N) ~ N holds (bf16)
@@ -147,8 +147,8 @@ def test_cli_on_this_machine_prints_measured_next_to_predicted(capsys):
 
 
 def test_a_head_folder_stands_for_the_target_it_records(tmp_path, capsys):
-    from heads.base import build_head, save_head
-    from heads.target import load_target
+    from headway.heads.base import build_head, save_head
+    from headway.heads.target import load_target
 
     target = load_target(target_preset("tiny-random"))
     final = save_head(build_head("medusa", target, num_heads=2), tmp_path / "final")
@@ -165,7 +165,7 @@ def test_interpolated_measured_curve():
 
 
 def test_lower_ranked_siblings_are_damped_by_their_rank():
-    from infer.roofline import tree_path_probs
+    from headway.infer.roofline import tree_path_probs
 
     nodes = tree_path_probs([0.3], max_nodes=3, top_k=3)  # one depth: the three best siblings
     assert [p for p, _ in nodes] == pytest.approx([0.3, 0.3 * 0.7 / 2, 0.3 * 0.7 ** 2 / 3])

@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy import stats
 
-from heads import sampling
-from heads.sampling import argmax, sample, warp_probs
+from headway.heads import sampling
+from headway.heads.sampling import argmax, sample, warp_probs
 
 torch.set_num_threads(1)
 

@@ -4,11 +4,11 @@ head kind (fresh, untrained heads: losslessness does not depend on head quality)
 import pytest
 import torch
 
-from heads.base import build_head
-from heads.target import build_tiny_random, load_target
-from infer.calibrate import TreeBudget
-from infer.drafters import Drafter, DynamicTree, StaticTree, build_drafter
-from infer.engine import Engine
+from headway.heads.base import build_head
+from headway.heads.target import build_tiny_random, load_target
+from headway.infer.calibrate import TreeBudget
+from headway.infer.drafters import Drafter, DynamicTree, StaticTree, build_drafter
+from headway.infer.engine import Engine
 
 NEW = 24
 
@@ -107,14 +107,14 @@ def test_static_tree_from_accuracies_prefers_likely_paths():
 
 
 def test_heads_drafting_over_the_paged_context_kv(target, prompts, plain, monkeypatch):
-    import heads.layers
+    from headway.heads import layers as head_layers
 
-    from infer.kv_cache import PagedContextKV
+    from headway.infer.kv_cache import PagedContextKV
 
     head = build_head("eagle", target)
     drafter = build_drafter("head", target, head=head, policy="dynamic", total_tokens=10, depth=3, top_k=3)
     dense = speculate(target, prompts, drafter)
-    monkeypatch.setattr(heads.layers, "ContextKV", PagedContextKV)
+    monkeypatch.setattr(head_layers, "ContextKV", PagedContextKV)
     paged = speculate(target, prompts, drafter)
     assert paged.tokens == plain
     assert paged.stats.accepted_at_depth == dense.stats.accepted_at_depth  # the same drafts
@@ -140,7 +140,7 @@ def test_sampling_keeps_the_targets_joint_distribution(target, policy, opts):
     samples = torch.tensor(out.tokens)  # [rows, 3]
 
     def next_probs(seqs):  # exact warped next-token distributions [n, V]
-        from heads.sampling import warp_probs
+        from headway.heads.sampling import warp_probs
         with torch.no_grad():
             logits = target.model(input_ids=torch.tensor(seqs)).logits[:, -1]
         return warp_probs(logits, 1.0, k, None)
@@ -181,8 +181,8 @@ class Oracle(Drafter):
         self.generated = positions.gather(1, (num_valid - 1)[:, None])[:, 0] + 2 - self.prompt_len
 
     def propose(self, root, max_nodes):
-        from infer.drafters import Draft
-        from infer.tree import chain_parents
+        from headway.infer.drafters import Draft
+        from headway.infer.tree import chain_parents
 
         B, n = root.shape[0], max_nodes - 1
         idx = (self.generated[:, None] + torch.arange(n)).clamp(max=self.cont.shape[1] - 1)
@@ -198,8 +198,8 @@ class Contrary(Oracle):
         self.vocab_size = vocab_size
 
     def propose(self, root, max_nodes):
-        from infer.drafters import Draft
-        from infer.tree import chain_parents
+        from headway.infer.drafters import Draft
+        from headway.infer.tree import chain_parents
 
         n = max_nodes - 1
         idx = self.generated[:, None] + torch.arange(n)  # [B, n] positions of the next n tokens
@@ -238,7 +238,7 @@ def test_static_tree_from_measured_accuracies_is_lossless(target, prompts, plain
 
 def test_a_briefly_trained_head_is_accepted_and_still_lossless(target):
     """Medusa fitted for a few seconds on the target's own greedy continuations drafts them back."""
-    from heads.base import compute_features
+    from headway.heads.base import compute_features
 
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (6,), generator=gen).tolist() for _ in range(16)]

@@ -4,9 +4,9 @@ target run through our cache + tree mask gives the logits of running each root-t
 import pytest
 import torch
 
-from heads.target import load_target
-from infer.kv_cache import PagedKVCache
-from infer.tree import ancestor_mask, attention_mask, causal_ancestors, depths
+from headway.heads.target import load_target
+from headway.infer.kv_cache import PagedKVCache
+from headway.infer.tree import ancestor_mask, attention_mask, causal_ancestors, depths
 
 
 def random_parents(n, gen):

@@ -17,8 +17,8 @@ import pytest
 import torch
 from test_sampling import law_pvalue, total_variation
 
-from heads.sampling import sample, warp_probs
-from infer.verify import verify_tree
+from headway.heads.sampling import sample, warp_probs
+from headway.infer.verify import verify_tree
 
 torch.set_num_threads(1)
 

@@ -4,7 +4,7 @@ accepting a draft, emitting token 0 or raising IndexError deep inside."""
 import pytest
 import torch
 
-from infer.verify import verify_tree
+from headway.infer.verify import verify_tree
 
 torch.set_num_threads(1)
 

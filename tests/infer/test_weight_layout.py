@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from heads.target import load_target
-from infer import weight_layout
-from infer.calibrate import curve_path
-from infer.engine import EngineError, Engine
-from infer.hf_generate import hf_generate
-from infer.weight_layout import apply_layout, current_layout, layout_path, stock_layout, wide_linears
+from headway.heads.target import load_target
+from headway.infer import weight_layout
+from headway.infer.calibrate import curve_path
+from headway.infer.engine import EngineError, Engine
+from headway.infer.hf_generate import hf_generate
+from headway.infer.weight_layout import apply_layout, current_layout, layout_path, stock_layout, wide_linears
 
 
 @pytest.fixture()

@@ -11,10 +11,10 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file, save_file
 
-from heads.base import build_head, compute_features, save_head
-from heads.formats import LAYOUTS, ExportError
-from heads.formats.io import export_head, load_export
-from heads.target import load_target
+from headway.heads.base import build_head, compute_features, save_head
+from headway.heads.formats import LAYOUTS, ExportError
+from headway.heads.formats.io import export_head, load_export
+from headway.heads.target import load_target
 
 ROOT = Path(__file__).resolve().parents[2]
 torch.set_num_threads(1)
@@ -439,7 +439,7 @@ def test_existing_output_is_refused_unless_overwrite(target, finals, tmp_path):
 
 
 def test_failure_midway_leaves_nothing(target, finals, tmp_path, monkeypatch):
-    import heads.formats.io as io
+    import headway.heads.formats.io as io
 
     def broken(*args, **kwargs):
         raise ExportError("disk full")
@@ -529,12 +529,12 @@ def test_every_layout_module_registers_itself_on_import():
     import dataclasses
     import pkgutil
 
-    import heads.formats
+    from headway.heads import formats
 
-    modules = {m.name for m in pkgutil.iter_modules(heads.formats.__path__)}
-    assert all(f"heads.formats.{name}" in sys.modules for name in modules)
+    modules = {m.name for m in pkgutil.iter_modules(formats.__path__)}
+    assert all(f"headway.heads.formats.{name}" in sys.modules for name in modules)
     assert {layout.head_kind for layout in LAYOUTS.values()} == {"medusa", "eagle", "eagle3", "mtp"}
     clash = dataclasses.replace(LAYOUTS["eagle"], head_kind="medusa")
     with pytest.raises(ExportError, match="'eagle' is already registered"):
-        heads.formats.register_layout(clash)
+        formats.register_layout(clash)
     assert LAYOUTS["eagle"].head_kind == "eagle"

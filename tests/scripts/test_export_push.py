@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads.base import build_head, save_head
-from heads.formats import ExportError
-from heads.formats.hub import push_folder
-from heads.target import load_target
+from headway.heads.base import build_head, save_head
+from headway.heads.formats import ExportError
+from headway.heads.formats.hub import push_folder
+from headway.heads.target import load_target
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "hf_headwayTestToken0123456789abcdef"

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_export import compose, export_script
 
-from heads.base import build_head, save_head
-from heads.formats import ExportError
-from heads.formats.io import export_head
-from heads.target import load_target
+from headway.heads.base import build_head, save_head
+from headway.heads.formats import ExportError
+from headway.heads.formats.io import export_head
+from headway.heads.target import load_target
 from tests.read_only import READ_ONLY, read_only_command
 
 ROOT = Path(__file__).resolve().parents[2]

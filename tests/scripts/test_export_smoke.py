@@ -10,10 +10,10 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
-from heads.base import load_head
-from heads.formats import LAYOUTS
-from heads.formats.io import expected_tensors, export_head, load_export, read_provenance
-from heads.target import load_target
+from headway.heads.base import load_head
+from headway.heads.formats import LAYOUTS
+from headway.heads.formats.io import expected_tensors, export_head, load_export, read_provenance
+from headway.heads.target import load_target
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "train"))
@@ -28,7 +28,7 @@ OVERRIDES = {"eagle3": ["+head.options.aux_layers=[1,2,3]"]}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from train.loop import train
+    from headway.train.loop import train
 
     out = {}
     for kind in KINDS:

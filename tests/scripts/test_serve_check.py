@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads.base import build_head
+from headway.heads.base import build_head
 from test_export import draft, prompt_ids, target  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from heads.formats.io import export_head
+from headway.heads.formats.io import export_head
 from test_export import HEADS, finals, target  # noqa: F401  (fixtures)
 
 STACKED = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj",

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from heads.base import load_head, read_head_config
+from headway.heads.base import load_head, read_head_config
 from train_helpers import accelerate_launch, launch
 
 # a couple of steps are enough to exercise prepare, the collective step, validation, save_state and final/

@@ -6,10 +6,10 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from heads.base import build_head
-from heads.target import load_target
-from train.config import ConfigError, check_config
-from train.loop import lr_at
+from headway.heads.base import build_head
+from headway.heads.target import load_target
+from headway.train.config import ConfigError, check_config
+from headway.train.loop import lr_at
 from train_helpers import CONF, EXPERIMENTS, HEADS, compose_train
 
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from heads.base import load_head, read_head_config
-from train.checkpoints import find_checkpoint, step_dirs
-from train.config import ConfigError
-from train.loop import train
+from headway.heads.base import load_head, read_head_config
+from headway.train.checkpoints import find_checkpoint, step_dirs
+from headway.train.config import ConfigError
+from headway.train.loop import train
 from train_helpers import HEADS, compose_train
 
 
@@ -86,10 +86,10 @@ def test_resume_after_a_stop_equals_an_uninterrupted_run(tmp_path):
 def test_muon_trains_hidden_matrices_and_resumes_like_an_uninterrupted_run(tmp_path):
     """optim=muon: Muon holds the head's hidden weight matrices, AdamW the read-out, norms and biases; both
     optimizers' states come back on resume."""
-    from heads.base import build_head
-    from heads.target import load_target
+    from headway.heads.base import build_head
+    from headway.heads.target import load_target
     from omegaconf import OmegaConf
-    from train.loop import make_optimizers
+    from headway.train.loop import make_optimizers
 
     cfg = compose_train("head=eagle3", "experiment=smoke", "optim=muon")
     head = build_head("eagle3", load_target({"path": "tiny-random", "name": "tiny-random"}))

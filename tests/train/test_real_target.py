@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from heads.base import read_head_config
-from train.loop import train
+from headway.heads.base import read_head_config
+from headway.train.loop import train
 from train_helpers import HEADS, compose_train
 
 

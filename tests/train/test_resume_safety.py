@@ -11,9 +11,9 @@ import sys
 import pytest
 from train_helpers import ROOT, compose_train, launch
 
-from train.checkpoints import CHECKSUMS, STATE_FILE, checksums, find_checkpoint, identity_mismatch, step_dirs
-from train.config import ConfigError, TrainingError
-from train.loop import train
+from headway.train.checkpoints import CHECKSUMS, STATE_FILE, checksums, find_checkpoint, identity_mismatch, step_dirs
+from headway.train.config import ConfigError, TrainingError
+from headway.train.loop import train
 from tests.read_only import READ_ONLY, read_only_command
 
 SMOKE = ["head=eagle", "experiment=smoke", "train.max_steps=4", "train.save_every=1", "train.keep_checkpoints=3",

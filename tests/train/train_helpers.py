@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-import train.config  # noqa: F401  (registers the schema)
+import headway.train.config  # noqa: F401  (registers the schema)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"

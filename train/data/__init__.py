@@ -14,10 +14,10 @@ Modules: conversations (rendering + loss mask), build (datasets), batching (coll
 Held-out evaluation prompts belong to evaluation: infer.prompt_sets.
 """
 
-from train.data.batching import collate_fn, token_counts
-from train.data.build import DataStats, build_datasets
-from train.data.config import DataConfig, DataError, RegenConfig
-from train.data.features import make_feature_source
+from headway.train.data.batching import collate_fn, token_counts
+from headway.train.data.build import DataStats, build_datasets
+from headway.train.data.config import DataConfig, DataError, RegenConfig
+from headway.train.data.features import make_feature_source
 
 __all__ = ["DataConfig", "DataError", "DataStats", "RegenConfig", "build_datasets", "collate_fn",
            "make_feature_source", "token_counts"]

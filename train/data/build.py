@@ -15,10 +15,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.data.batching import token_totals
-from train.data.config import DataConfig, DataError, as_data_config, check_data_config
-from train.data.conversations import BadRow, detect_format, end_of_turn_markers, normalize, tokenize_conversation
-from heads.files import check_text_file, first_json_error
+from headway.train.data.batching import token_totals
+from headway.train.data.config import DataConfig, DataError, as_data_config, check_data_config
+from headway.train.data.conversations import BadRow, detect_format, end_of_turn_markers, normalize, tokenize_conversation
+from headway.heads.files import check_text_file, first_json_error
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def resolve_source(cfg: DataConfig, capture=None) -> str:
     if cfg.source == "builtin:tiny":
         return str(BUILTIN_DIR / "tiny.jsonl")
     if cfg.source == "builtin:default":
-        from train.data.default_set import ensure_default_dataset
+        from headway.train.data.default_set import ensure_default_dataset
 
         device = next(capture.target.model.parameters()).device if capture and capture.target else "cpu"
         return str(ensure_default_dataset(cfg.regen, device, capture))

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.data.conversations import BadRow, end_of_turn_markers, tokenize_conversation
-from train.data.decode import Tap
+from headway.train.data.conversations import BadRow, end_of_turn_markers, tokenize_conversation
+from headway.train.data.decode import Tap
 
 SHARD_TOKENS = 1 << 15  # small shards: a killed generation loses little of its capture
 
@@ -36,7 +36,7 @@ def capture_plan(data_cfg, target, layers: list[int], max_length: int) -> Featur
     read one (online features, a cache of the user's own, or stored logits, which generation does not keep)."""
     if data_cfg.hidden_states != "offline" or data_cfg.hidden_cache or data_cfg.cache_logits != "none":
         return None
-    from train.data.hidden_cache import auto_cache_dir
+    from headway.train.data.hidden_cache import auto_cache_dir
 
     wanted = sorted(set(layers) | {target.config.num_hidden_layers})
     return FeatureCapture(auto_cache_dir(target, wanted), wanted, max_length, target)
@@ -46,7 +46,7 @@ class CaptureSession:
     """A cache writer on a target, and the taps that feed it from decoding."""
 
     def __init__(self, capture: FeatureCapture, target):
-        from train.data.hidden_cache import CacheWriter
+        from headway.train.data.hidden_cache import CacheWriter
 
         self.tokenizer = target.tokenizer
         self.max_length = capture.max_length
@@ -59,7 +59,7 @@ class CaptureSession:
 
     def tap(self, histories: list[list[dict] | None]) -> Tap:
         """A tap for one decode call; histories[b]: row b's conversation before its reply (None: skip)."""
-        from train.data.hidden_cache import row_key
+        from headway.train.data.hidden_cache import row_key
 
         def training_ids(b: int, new_ids: list[int], finished: bool) -> list[int] | None:
             if histories[b] is None:

@@ -129,7 +129,7 @@ class _Decoder:
     def pick(self, logits: Tensor) -> Tensor:  # [A, V] -> [A]
         if self.temperature == 0:
             return logits.argmax(-1).cpu()
-        from heads.sampling import sample, warp_probs
+        from headway.heads.sampling import sample, warp_probs
 
         return sample(warp_probs(logits, self.temperature, None, self.top_p), self.generator).cpu()
 

@@ -22,13 +22,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from heads.files import swap_in, write_json_atomic, write_text_atomic
-from heads.target import cache_root
-from train.data.config import DataError, RegenConfig
-from train.data.regenerate import (GenerationSettings, JsonlSink, ProgressBar, done_ids, prompt_rows, regenerate,
+from headway.heads.files import swap_in, write_json_atomic, write_text_atomic
+from headway.heads.target import cache_root
+from headway.train.data.config import DataError, RegenConfig
+from headway.train.data.regenerate import (GenerationSettings, JsonlSink, ProgressBar, done_ids, prompt_rows, regenerate,
                                    stop_token_ids, unwritable)
-from train.data.self_prompts import SelfPromptSettings, candidate_rows, select_prompts, write_candidates
-from train.data.stdlib_prompts import stdlib_coding_prompts
+from headway.train.data.self_prompts import SelfPromptSettings, candidate_rows, select_prompts, write_candidates
+from headway.train.data.stdlib_prompts import stdlib_coding_prompts
 
 WRITTEN_PROMPTS = Path(__file__).parent / "builtin" / "default_prompts.jsonl"
 NUM_STDLIB_PROMPTS = 100
@@ -93,7 +93,7 @@ def generating_target(regen: RegenConfig, device: str, capture):
     target = capture.target if capture is not None else None
     if target is not None and (target.spec.path, target.spec.name) == (regen.target, regen.target_name):
         return target, capture
-    from heads.target import load_target
+    from headway.heads.target import load_target
 
     return load_target({"path": regen.target, "name": regen.target_name}, device=device), None
 
@@ -130,7 +130,7 @@ def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: P
     done = prompts_path(final)
     if done.is_file():
         return [json.loads(line) for line in done.read_text().splitlines() if line.strip()]
-    from train.data.overlap import OverlapIndex, evaluation_prompts
+    from headway.train.data.overlap import OverlapIndex, evaluation_prompts
 
     sink = JsonlSink(done.with_name(done.name + ".partial"))
     rows = candidate_rows(settings)

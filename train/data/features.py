@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from heads.base import TargetFeatures, check_layer_ids, compute_features
-from train.data.config import DataError, as_data_config, check_data_config
+from headway.heads.base import TargetFeatures, check_layer_ids, compute_features
+from headway.train.data.config import DataError, as_data_config, check_data_config
 
 FeatureSource = Callable[[dict], TargetFeatures]
 
@@ -26,7 +26,7 @@ def make_feature_source(data_cfg, target, layers: list[int], with_logits: bool =
         if not cfg.hidden_cache:
             raise DataError("data.hidden_states=offline needs data.hidden_cache=<dir> "
                             "(build it with scripts/cache_hidden_states.py)")
-        from train.data.hidden_cache import OfflineFeatureSource
+        from headway.train.data.hidden_cache import OfflineFeatureSource
 
         return OfflineFeatureSource(cfg.hidden_cache, target, layers, with_logits,
                                     logits=cfg.cache_logits, topk=cfg.logits_topk)

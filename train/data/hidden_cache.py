@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from heads.base import TargetFeatures, compute_features
-from heads.files import atomic_path, file_sha256, write_json_atomic
-from train.data.batching import collate_fn
-from train.data.config import CACHE_LOGITS, DataError
+from headway.heads.base import TargetFeatures, compute_features
+from headway.heads.files import atomic_path, file_sha256, write_json_atomic
+from headway.train.data.batching import collate_fn
+from headway.train.data.config import CACHE_LOGITS, DataError
 
 INDEX = "index.json"
 CACHE_FORMAT = 2  # 2: example keys live in the shard headers (1: in index.json "entries"; still read)
@@ -88,7 +88,7 @@ def identity_differences(index: dict, fresh: dict) -> list[str]:
 def auto_cache_dir(target, layers: list[int], logits: str = "none", topk: int = 64) -> Path:
     """Where training keeps the cache it builds itself (data.hidden_cache unset): one directory per target
     weights, dtype, hidden-state indices and logit mode, so two configurations never share one."""
-    from heads.target import cache_root
+    from headway.heads.target import cache_root
 
     dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
     wanted = sorted(set(layers) | {target.config.num_hidden_layers})

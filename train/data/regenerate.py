@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from heads.files import write_text_atomic
-from train.data.config import DataError
-from train.data.conversations import BadRow, end_of_turn_markers, normalize
+from headway.heads.files import write_text_atomic
+from headway.train.data.config import DataError
+from headway.train.data.conversations import BadRow, end_of_turn_markers, normalize
 
 log = logging.getLogger(__name__)
 REGEN_VERSION = 1
@@ -142,7 +142,7 @@ def generate_replies(target, conversations: list[list[dict]], settings: Generati
                      sampled: bool = True, tap=None) -> list[tuple[str, bool, int]]:
     """One reply per conversation (each ends with a user turn) -> [(text, finished before the limit,
     tokens generated incl. the end-of-turn token)]; greedy unless `sampled` and temperature > 0."""
-    from train.data.decode import decode
+    from headway.train.data.decode import decode
 
     tok = target.tokenizer
     texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
@@ -170,7 +170,7 @@ def regenerate(rows: list[dict], target, out_path: Path, settings: GenerationSet
     to out_path. `capture` (train.data.capture.FeatureCapture): store the hidden states of the
     conversations written in that cache too. Returns counts: {"written", "resumed", "unfinished_turns",
     "generated_tokens", "sampled", "captured"}."""
-    from train.data.capture import CaptureSession
+    from headway.train.data.capture import CaptureSession
 
     out_path = Path(out_path)
     sink = JsonlSink(out_path)

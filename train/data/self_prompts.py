@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.data.overlap import OverlapIndex, words
+from headway.train.data.overlap import OverlapIndex, words
 
 PLACEHOLDER = "\x00USER\x00"
 CATEGORIES = {  # category -> hint in the system turn (the user turn itself is the model's own)
@@ -64,7 +64,7 @@ def candidate_rows(settings: SelfPromptSettings) -> list[dict]:
 def write_candidates(target, todo: list[dict], settings: SelfPromptSettings, stop_ids: list[int]):
     """Yield (rows with "prompt" and "finished", tokens written) one batch at a time; a batch holds one
     category, so its prompt prefix is computed once for all rows."""
-    from train.data.decode import decode
+    from headway.train.data.decode import decode
 
     tok = target.tokenizer
     for cat, hint in CATEGORIES.items():
