@@ -89,9 +89,11 @@ def layout_for(head_kind: str, fmt: str = "auto") -> Layout:
 
 
 def _import_modules() -> None:
-    """Import every module of this package, so each layout module registers its layouts."""
+    """Import every module of this package, so each layout module registers its layouts (not the export
+    command, which imports this package)."""
     for module in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{module.name}")
+        if module.name != "export_cli":
+            importlib.import_module(f"{__name__}.{module.name}")
 
 
 _import_modules()

@@ -468,14 +468,10 @@ def run_cli(*args, env=None):
 
 
 def export_script():
-    """scripts/export.py as a module (importing it registers the config schema)."""
-    import importlib.util
+    """The export command as a module (importing it registers the config schema)."""
+    from headway.heads.formats import export_cli
 
-    if "headway_export_script" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("headway_export_script", ROOT / "scripts" / "export.py")
-        module = sys.modules["headway_export_script"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules["headway_export_script"]
+    return export_cli
 
 
 def compose(*overrides):
