@@ -38,7 +38,8 @@ from omegaconf import MISSING, OmegaConf
 from headway.heads.files import write_json_atomic
 from headway.heads.target import TargetSpec
 from headway.infer.measurements import measurement_path
-from headway.infer.weight_layout import apply_layout, check_layout, current_layout, layout_path
+from headway.infer.quiet import spread, watch
+from headway.infer.weight_layout import PACK_BUCKETS, apply_layout, candidates, check_layout, choose_layout, current_layout, layout_path, pack_all
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -106,13 +107,32 @@ def load_curve(target) -> dict[int, float] | None:
         return None  # a damaged cache is just re-measured
 
 
-@torch.inference_mode()
 def calibrate_latency(target, sizes=DEFAULT_SIZES, context: int = 256, repeats: int = 5,
-                      save: bool = True) -> dict[int, float]:
+                      save: bool = True, force: bool = False) -> dict[int, float]:
     """Measure T(N): seconds for one target forward of N new tokens after `context` cached tokens,
-    through the engine's own path (paged cache + 4D mask). Best of `repeats` (least disturbed)."""
+    through the engine's own path (paged cache + 4D mask). Best of `repeats` (least disturbed). A curve
+    measured while other processes used the CPU (infer.quiet) is measured again, twice at most; if still
+    disturbed it is returned but not cached (unless `force`), so a busy moment is never kept."""
+    for _ in range(3):
+        with watch() as seen:
+            samples = _measure_curve(target, sizes, context, repeats)
+        quality = seen.quality(max(spread(times) for times in samples.values()))
+        if not quality.noisy:
+            break
+    curve = {n: min(times) for n, times in samples.items()}
+    if save and (force or not quality.noisy):
+        _save_curve(target, curve, context, quality)
+    elif save:
+        print(f"warning: T(N) measured while the machine was busy ({quality.describe()}); not cached")
+    calibrate_latency.last_quality = quality  # for the CLI's report
+    return curve
+
+
+@torch.inference_mode()
+def _measure_curve(target, sizes, context: int, repeats: int) -> dict[int, list[float]]:
+    """N -> `repeats` timings of one forward of N tokens after `context` cached ones."""
     from headway.infer.kv_cache import PagedKVCache
-    from headway.infer.tree import attention_mask, causal_ancestors
+    from headway.infer.tree import causal_ancestors
 
     model = target.model
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -124,18 +144,17 @@ def calibrate_latency(target, sizes=DEFAULT_SIZES, context: int = 256, repeats: 
     prompt = torch.randint(vocab, (1, context), generator=gen)
     _forward(model, cache, prompt, causal_ancestors(context), dtype, device)
     tokens = {n: torch.randint(vocab, (1, n), generator=gen) for n in sizes}
-    curve = {n: float("inf") for n in sizes}
-    for _ in range(repeats + 1):  # the first round warms up; sizes interleave so noise hits them alike
+    samples = {n: [] for n in sizes}
+    for round_ in range(repeats + 1):  # the first round warms up; sizes interleave so noise hits them alike
         for n in sizes:
             start = time.perf_counter()
             _forward(model, cache, tokens[n], causal_ancestors(n), dtype, device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            curve[n] = min(curve[n], time.perf_counter() - start)
+            if round_:
+                samples[n].append(time.perf_counter() - start)
             cache.truncate(torch.tensor([context]))
-    if save:
-        _save_curve(target, curve, context)
-    return curve
+    return samples
 
 
 def _forward(model, cache, tokens, anc, dtype, device):
@@ -149,8 +168,9 @@ def _forward(model, cache, tokens, anc, dtype, device):
           cache=cache, use_cache=True, logits_to_keep=0)
 
 
-def _save_curve(target, curve: dict[int, float], context: int) -> None:
-    write_json_atomic(curve_path(target), {"context": context, "latency_s": {str(k): v for k, v in curve.items()}})
+def _save_curve(target, curve: dict[int, float], context: int, quality) -> None:
+    write_json_atomic(curve_path(target), {"context": context, "latency_s": {str(k): v for k, v in curve.items()},
+                                           "quality": quality.as_dict()})
 
 
 class CalibrateError(ValueError):
@@ -160,15 +180,18 @@ class CalibrateError(ValueError):
 @dataclass
 class CalibrateConfig:
     target: TargetSpec = MISSING  # composed from conf/target/<name>.yaml by `target=<name>`
-    weight_layout: str = "auto"  # the engine's weight layout to measure under (infer.weight_layout)
+    weight_layout: str = "auto"  # the engine's weight layout (infer.weight_layout); its curve sets the budget
     context: int = 256  # cached tokens before the measured forward
+    compare: bool = True  # also measure T(N) under every other layout this machine can run, side by side
+    force: bool = False  # choose the layout again and cache what is measured even on a busy machine
 
 
 ConfigStore.instance().store(name="calibrate_schema", node=CalibrateConfig)
 
 
 def calibrate(cfg, out=print) -> dict[int, float]:
-    """Measure and cache this target's T(N) under the engine's weight layout; print it and the budget."""
+    """Measure and cache this target's T(N) under the engine's weight layout (and, with compare, under
+    every candidate layout); print the curves side by side and the engine's tree budget."""
     from headway.heads.target import load_target
 
     if cfg.context < 1:
@@ -178,16 +201,40 @@ def calibrate(cfg, out=print) -> dict[int, float]:
     except ValueError as exc:
         raise CalibrateError(str(exc)) from None
     target = load_target(OmegaConf.to_object(cfg.target))
-    layout = apply_layout(target.model, cfg.weight_layout, target)  # measure T(N) under the layout the engine runs
-    out(f"weight layout: {layout}" + _layout_times(target))
-    curve = calibrate_latency(target, context=cfg.context)
+    if cfg.force and cfg.weight_layout == "auto":
+        choose_layout(target, force=True)
+    engine_layout = apply_layout(target.model, cfg.weight_layout, target)
+    out(f"weight layout: {engine_layout}" + _layout_times(target))
+    layouts = [engine_layout] + [l for l in candidates(target.model) if cfg.compare and l != engine_layout]
+    curves, notes = {}, {}
+    for layout in layouts:
+        apply_layout(target.model, layout)
+        if layout == "packed":
+            out(f"packed: packing the weights for rows {', '.join(map(str, PACK_BUCKETS))} took "
+                f"{pack_all(target.model):.1f} s (paid once per process, on first use of each bucket)")
+        curves[layout] = calibrate_latency(target, context=cfg.context, force=cfg.force)
+        notes[layout] = calibrate_latency.last_quality
+    apply_layout(target.model, engine_layout)
+    _print_curves(curves, out)
+    for layout, quality in notes.items():
+        out(f"{layout}: {quality.describe()}" + (" - NOT cached (busy machine; force=true caches it)"
+                                                   if quality.noisy and not cfg.force else ""))
+    curve = curves[engine_layout]
     budget = TreeBudget(curve=curve)
-    for n, t in curve.items():
-        out(f"N={n:4d}  T={t * 1e3:8.2f} ms  T(N)/T(1)={t / curve[min(curve)]:.2f}")
     out(f"tree budget (slack {budget.slack}): " +
         ", ".join(f"B={b}: {budget.max_tokens(b)}" for b in (1, 2, 4, 8, 16, 32, 64)))
     out(f"cached in {curve_path(target)}")
     return curve
+
+
+def _print_curves(curves: dict[str, dict[int, float]], out) -> None:
+    """One row per N: T in ms and T(N)/T(1) under each layout."""
+    names = list(curves)
+    out("     N  " + "  ".join(f"{name:>20}" for name in names))
+    for n in sorted(curves[names[0]]):
+        cells = [f"{c[n] * 1e3:8.2f} ms {c[n] / c[min(c)]:5.2f}x" for c in curves.values()]
+        out(f"{n:6d}  " + "  ".join(f"{cell:>20}" for cell in cells))
+    out("T(8)/T(1): " + ", ".join(f"{name} {c[8] / c[1]:.2f}" for name, c in curves.items() if 8 in c and 1 in c))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _layout_times(target) -> str:
     try:
-        times = json.loads(layout_path(target).read_text())["decode_step_s"]
-        return " (one decode step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()) + ")"
+        times = json.loads(layout_path(target).read_text())["forward_s"]
+        return " (auto's score T(1) + T(8): " + ", ".join(
+            f"{k} {sum(v.values()) * 1e3:.1f} ms" for k, v in times.items()) + ")"
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
         return ""  # not chosen by measuring here (explicit layout, or a GPU)
 

@@ -1,25 +1,37 @@
-"""Where the target's Linear weights lie in memory for decoding on a CPU.
+"""Where and how the target's Linear weights lie in memory for decoding on a CPU.
 
 A decode step is one GEMV per Linear (M = 1 row of activations) and reads every weight once, so its speed
-is the BLAS kernel's memory bandwidth. nn.Linear stores W as [out, in] row-major and computes x @ W^T;
-MKL's kernel for that case streams wide matrices (out > in: the MLP's gate/up projections, the LM head) at
-~9 GB/s on this machine, while the same product over W stored column-major (W^T contiguous, [in, out]) runs
-at ~14-21 GB/s. Same shapes, same values, same modules, same transformers code: only the strides change,
-so `F.linear(x, weight)` becomes a contiguous-B GEMM. Measured on SmolLM2-135M (2-core CPU, fp32): one
-decode step 61 -> 49 ms on a loaded machine (a quiet re-run found the engine's plain decoding at 0.98x HF
-generate(), i.e. no gain: measure on your machine, as `auto` does); a forward of 4-32 tokens (a tree)
-5-10% slower, which the engine's measured T(N) curve (infer.calibrate) accounts for, since it is measured
-under the layout the engine runs.
+is the kernel's memory bandwidth; verifying a tree of N tokens is one GEMM per Linear with M = N rows,
+which should cost about the same (the weights are read once either way) but with the stock kernels does
+not: MKL's GEMM at small M runs far below both the memory and the compute limit. Measured on this
+project's reference CPU (2 cores, AVX-512, fp32; every Linear of SmolLM2-135M in sequence, best of 5):
+
+    rows M                       1      2      4      8     16
+    stock (row-major W)       22.3   24.6   39.4   49.8   51.3 ms
+    wide-column               21.0   29.6   38.5   52.5   65.1
+    packed (MKL packed GEMM)  24.4   25.5   26.4   34.9   42.9
+    oneDNN packed             35.9   31.1   33.0   38.3   48.2
+    inductor max-autotune     22.2      -      -   40.3      -    (torch.compile, freezing, C++ GEMM
+                                                                   template; ~1 min compile per shape)
+
+The layouts (same values, same modules, same transformers code; only how F.linear reaches the weights):
+  stock        as loaded (row-major [out, in])
+  wide-column  Linear weights with out_features > in_features stored column-major (W^T contiguous):
+               a contiguous-B GEMM, faster GEMV on some machines
+  packed       every Linear keeps its stock weight for M <= 2 rows and, for 3..64 rows, multiplies by a
+               copy packed for MKL's GEMM (torch.ops.mkl._mkl_linear), made once per row bucket (4, 8,
+               16, 32, 64; rows are zero-padded up to the bucket) the first time the bucket is used:
+               each bucket used costs one more copy of the weights in memory and ~0.1-1 s to pack
+  auto         on a CPU, the layout with the least T(1) + T(8) (a decode step plus a typical tree),
+               measured once per target, threads and dtype while the machine is quiet (infer.quiet), and
+               cached beside the T(N) curve; stock elsewhere (cuBLAS reads every layout at full speed)
 
     layout = apply_layout(model, "auto")     # what the engine does
     with stock_layout(model):                # what a transformers user runs (the HF generate() baseline)
         model.generate(...)
 
-Layouts:  stock        as loaded (row-major)
-          wide-column  Linear weights with out_features > in_features stored column-major
-          auto         on a CPU, whichever of the two runs a decode step faster on this machine (measured
-                       once, ~1 s, and cached beside the T(N) curve; `python -m headway.infer.calibrate` prints
-                       both times); stock elsewhere (cuBLAS reads both layouts at full speed)
+Outputs equal the stock forward within fp32 rounding (a different summation order), as any change of
+kernel does; the engine's greedy speculative output equals its plain decoding under the same layout.
 """
 
 from __future__ import annotations
@@ -30,36 +42,49 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from headway.heads.files import write_json_atomic
 from headway.infer.measurements import measurement_path
+from headway.infer.quiet import spread, watch
 
-LAYOUTS = ("auto", "stock", "wide-column")
-CANDIDATES = ("stock", "wide-column")
-MIN_GAIN = 1.03  # auto moves the weights only for a decode step at least 3% faster (timings are noisy)
+LAYOUTS = ("auto", "stock", "wide-column", "packed")
+MIN_GAIN = 1.03  # auto leaves the stock layout only for a score at least 3% better (timings are noisy)
+PACK_BUCKETS = (4, 8, 16, 32, 64)  # row counts with a packed copy; fewer rows than 3 run the stock GEMV
+MIN_PACKED_ROWS = 3
+SCORE_ROWS = (1, 8)  # auto's score: T(1) + T(8), a decode step plus a typical tree
+CHOICE_VERSION = 2  # cached choices from before the packed layout are measured again
+
+
+def candidates(model: nn.Module) -> tuple[str, ...]:
+    """The layouts this model can run here (packed needs MKL and fp32 weights on a CPU)."""
+    param = next(model.parameters())
+    packable = torch.backends.mkl.is_available() and param.device.type == "cpu" and param.dtype == torch.float32
+    return ("stock", "wide-column", "packed") if packable else ("stock", "wide-column")
 
 
 def wide_linears(model: nn.Module) -> list[nn.Linear]:
     """The Linear layers with more outputs than inputs (tied weights appear once)."""
-    seen, out = set(), []
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.out_features > module.in_features:
-            if id(module.weight) not in seen:
-                seen.add(id(module.weight))
-                out.append(module)
-    return out
+    return [linear for linear in _linears(model) if linear.out_features > linear.in_features]
 
 
 def apply_layout(model: nn.Module, layout: str = "auto", target=None) -> str:
-    """Store the model's wide Linear weights in `layout` (in place; values unchanged); return the layout
-    used. `target` (a heads.target.Target; default: the model) names the cached choice of "auto"."""
+    """Put the model's Linear layers in `layout` (in place; values unchanged); return the layout used.
+    `target` (a heads.target.Target; default: the model) names the cached choice of "auto"."""
     check_layout(layout)
     if layout == "auto":
         layout = choose_layout(target if target is not None else model)
+    if layout == "packed" and layout not in candidates(model):
+        raise ValueError("weight_layout=packed needs fp32 weights on a CPU with MKL; use stock or wide-column")
+    for linear in _linears(model):
+        _unpack(linear)
     for linear in wide_linears(model):
         weight = linear.weight.data  # [out, in]
         linear.weight.data = weight.t().contiguous().t() if layout == "wide-column" else weight.contiguous()
+    if layout == "packed":
+        for linear in _linears(model):
+            _pack(linear)
     return layout
 
 
@@ -73,49 +98,91 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"weight_layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
 
 
-def choose_layout(target) -> str:
-    """What "auto" means: stock off the CPU; on a CPU the layout with the faster decode step, measured once
-    per target, thread count and dtype, then read from the cache."""
+def choose_layout(target, force: bool = False) -> str:
+    """What "auto" means: stock off the CPU; on a CPU the layout with the least T(1) + T(8), measured once
+    per target, thread count and dtype, then read from the cache. A measurement disturbed by other
+    processes is taken again (twice at most) and, if still disturbed, used for this run but not cached
+    unless `force`."""
     model = getattr(target, "model", target)
-    if next(model.parameters()).device.type != "cpu" or not wide_linears(model):
+    if next(model.parameters()).device.type != "cpu" or not _linears(model):
         return "stock"
     path = layout_path(target)
-    try:
-        layout = json.loads(path.read_text())["layout"]
-        if layout in CANDIDATES:
-            return layout
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
-        pass  # missing or damaged: measure
-    times = measure_layouts(model)
-    layout = "wide-column" if times["stock"] >= MIN_GAIN * times["wide-column"] else "stock"
-    write_json_atomic(path, {"layout": layout, "decode_step_s": times})
+    cached = None if force else cached_choice(path, model)
+    if cached is not None:
+        return cached
+    for _ in range(3):
+        with watch() as seen:
+            samples = measure_layouts(model)
+        quality = seen.quality(max(spread(s) for per in samples.values() for s in per.values()))
+        if not quality.noisy:
+            break
+    times = {layout: {m: min(s) for m, s in per.items()} for layout, per in samples.items()}
+    layout = pick(times)
+    if force or not quality.noisy:
+        write_json_atomic(path, {"version": CHOICE_VERSION, "layout": layout, "score": "T(1) + T(8)",
+                                 "forward_s": {k: {str(m): t for m, t in v.items()} for k, v in times.items()},
+                                 "quality": quality.as_dict()})
+    else:
+        print(f"warning: weight layout {layout} chosen from a disturbed measurement ({quality.describe()}); "
+              f"not cached, measured again next time")
     return layout
 
 
-@torch.inference_mode()
-def measure_layouts(model: nn.Module, repeats: int = 5) -> dict[str, float]:
-    """Seconds of one decode-like forward (one token: every Linear is an M = 1 GEMV) under each candidate
-    layout, best of `repeats`, rounds interleaved so noise hits both alike. Leaves the layout it found."""
-    wide = wide_linears(model)
-    found = [linear.weight.data for linear in wide]
-    stored = {"stock": [w.contiguous() for w in found], "wide-column": [w.t().contiguous().t() for w in found]}
-    ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
-    times = {layout: float("inf") for layout in CANDIDATES}
+def cached_choice(path: Path, model: nn.Module) -> str | None:
     try:
-        for _ in range(repeats + 1):  # the first round warms up
-            for layout in CANDIDATES:
-                for linear, weight in zip(wide, stored[layout]):
-                    linear.weight.data = weight  # a pointer swap, no copy
-                start = time.perf_counter()
-                model(input_ids=ids, use_cache=False)
-                times[layout] = min(times[layout], time.perf_counter() - start)
-    finally:
-        for linear, weight in zip(wide, found):
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # missing or damaged: measure
+    if not isinstance(record, dict) or record.get("version") != CHOICE_VERSION:
+        return None
+    layout = record.get("layout")
+    return layout if layout in candidates(model) else None
+
+
+def pick(times: dict[str, dict[int, float]]) -> str:
+    """The layout with the least T(1) + T(8); stock unless the best beats it by MIN_GAIN."""
+    score = {layout: sum(per.values()) for layout, per in times.items()}
+    best = min(score, key=score.get)
+    return best if score["stock"] >= MIN_GAIN * score[best] else "stock"
+
+
+@torch.inference_mode()
+def measure_layouts(model: nn.Module, repeats: int = 5, rows=SCORE_ROWS) -> dict[str, dict[int, list[float]]]:
+    """Seconds of one forward of each of `rows` tokens (no cache) under each candidate layout, `repeats`
+    times; rounds interleave layouts so noise hits all alike. Leaves the model in the layout it found."""
+    found = current_layout(model)
+    linears, wide = _linears(model), wide_linears(model)
+    stock = [linear.weight.data.contiguous() for linear in wide]
+    column = [weight.t().contiguous().t() for weight in stock]
+    device = next(model.parameters()).device
+    ids = {m: torch.zeros(1, m, dtype=torch.long, device=device) for m in rows}
+    times = {layout: {m: [] for m in rows} for layout in candidates(model)}
+
+    def switch(layout):  # pointer swaps: no copy, and the packed copies stay valid
+        for linear, weight in zip(wide, column if layout == "wide-column" else stock):
             linear.weight.data = weight
+        for linear in linears:
+            _pack(linear) if layout == "packed" else _unpack(linear)
+
+    try:
+        for round_ in range(repeats + 1):  # the first round warms up (and packs the buckets used)
+            for layout in times:
+                switch(layout)
+                for m in rows:
+                    start = time.perf_counter()
+                    model(input_ids=ids[m], use_cache=False)
+                    if round_:
+                        times[layout][m].append(time.perf_counter() - start)
+    finally:
+        switch("stock")
+        apply_layout(model, found)
     return times
 
 
 def current_layout(model: nn.Module) -> str:
+    linears = _linears(model)
+    if linears and all(_is_packed(linear) for linear in linears):
+        return "packed"
     wide = wide_linears(model)
     if wide and all(_column_major(linear.weight) for linear in wide):
         return "wide-column"
@@ -133,6 +200,91 @@ def stock_layout(model: nn.Module):
     finally:
         if previous != "stock":
             apply_layout(model, previous)
+
+
+def packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward through MKL's packed GEMM for 3..64 rows (zero rows pad up to the bucket; each
+    output row depends on its own input row only). Autograd and other row counts take F.linear."""
+    rows = x.numel() // self.in_features
+    if rows < MIN_PACKED_ROWS or rows > PACK_BUCKETS[-1] or torch.is_grad_enabled() or x.dtype != self.weight.dtype:
+        return F.linear(x, self.weight, self.bias)  # the decode step's GEMV: nothing more on its path
+    bucket = _BUCKET_OF[rows]
+    flat = x.reshape(rows, self.in_features)  # [M, in]
+    if bucket > rows:
+        flat = torch.cat([flat, flat.new_zeros(bucket - rows, self.in_features)])  # [bucket, in]
+    packed = self.packed_weights.get(bucket)
+    if packed is None:
+        packed = self.packed_weights[bucket] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), bucket)
+    out = torch.ops.mkl._mkl_linear(flat, packed, self.weight, self.bias, bucket)  # [bucket, out]
+    return out[:rows].reshape(*x.shape[:-1], self.out_features)
+
+
+_BUCKET_OF = [next((b for b in PACK_BUCKETS if b >= rows), 0) for rows in range(PACK_BUCKETS[-1] + 1)]
+
+
+def pack_all(model: nn.Module, buckets=PACK_BUCKETS) -> float:
+    """Pack every bucket of every Linear now (the packed layout otherwise packs a bucket on its first
+    use); return the seconds it took."""
+    start = time.perf_counter()
+    for linear in _linears(model):
+        _pack(linear)
+        linear.packed_weights.clear()
+        for bucket in buckets:
+            linear.packed_weights[bucket] = torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.detach(), bucket)
+    return time.perf_counter() - start
+
+
+class PackedForward:
+    """linear.forward in the packed layout (a plain object, so that the model still deep-copies and
+    pickles: the copy's forward is bound to the copy)."""
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_forward(self.linear, x)
+
+
+class Packs(dict):
+    """bucket -> MKL-packed copy of one weight, made on first use. The copies are opaque MKL tensors: a
+    deep copy of the model (or pickling it) starts with none and packs its own weights when used."""
+
+    def __init__(self, weight_ptr: int):
+        super().__init__()
+        self.weight_ptr = weight_ptr  # the weight these copies were made from
+
+    def __deepcopy__(self, memo):
+        return Packs(-1)
+
+    def __reduce__(self):
+        return Packs, (-1,)
+
+
+def _pack(linear: nn.Linear) -> None:
+    """Route the layer through packed_forward. Packed copies outlive a switch to another layout (the HF
+    baseline runs stock between engine steps) unless the weight itself was replaced."""
+    if getattr(linear, "packed_weights", None) is None or linear.packed_weights.weight_ptr != linear.weight.data_ptr():
+        linear.packed_weights = Packs(linear.weight.data_ptr())
+    linear.forward = PackedForward(linear)
+
+
+def _unpack(linear: nn.Linear) -> None:
+    if "forward" in vars(linear):
+        del linear.forward  # back to nn.Linear.forward
+
+
+def _is_packed(linear: nn.Linear) -> bool:
+    return isinstance(vars(linear).get("forward"), PackedForward)
+
+
+def _linears(model: nn.Module) -> list[nn.Linear]:
+    """Every Linear layer once (tied weights appear once)."""
+    seen, out = set(), []
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            out.append(module)
+    return out
 
 
 def _column_major(weight: torch.Tensor) -> bool:

@@ -1,9 +1,16 @@
 """The tree budget follows the latency curve: flat T(N) -> big trees, compute-bound -> small ones."""
 
+import json
+import os
+import time
+from contextlib import contextmanager
+
 import pytest
 import torch
 
 from headway.heads.target import load_target
+from headway.infer import calibrate as calibrate_module
+from headway.infer import quiet, weight_layout
 from headway.infer.calibrate import TreeBudget, calibrate_latency, main
 
 
@@ -38,12 +45,69 @@ def test_calibration_measures_every_size():
     assert sorted(curve) == [1, 4, 16] and all(t > 0 for t in curve.values())
 
 
+def machine_seen_as(monkeypatch, other_cpu: float):
+    """What infer.quiet reports about other processes during the measurements (the real machine may be
+    running other tests)."""
+    class Seen(quiet.Watch):
+        def __init__(self):
+            self.other_cpu = other_cpu
+
+    @contextmanager
+    def fake_watch():
+        yield Seen()
+    monkeypatch.setattr(calibrate_module, "watch", fake_watch)
+    monkeypatch.setattr(weight_layout, "watch", fake_watch)
+    monkeypatch.setattr(quiet, "MAX_SPREAD", float("inf"))  # a tiny model's ~1 ms timings jitter a lot
+
+
 def test_cli_measures_and_caches_the_curve_of_a_preset(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path))
+    machine_seen_as(monkeypatch, 0.0)
+    assert main(["target=tiny-random", "context=8", "weight_layout=stock", "compare=false"]) == 0
+    out = capsys.readouterr().out
+    assert "weight layout: stock" in out and "T(8)/T(1): stock" in out and "tree budget" in out
+    path = tmp_path / "calibration" / f"tiny-random-cpu{torch.get_num_threads()}-float32-stock.json"
+    record = json.loads(path.read_text())
+    assert set(record["latency_s"]) == {"1", "2", "4", "8", "16", "32", "64", "128"}
+    assert record["quality"]["noisy"] is False and record["quality"]["measured_at"]
+
+
+def test_cli_compares_every_layout_side_by_side(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path))
+    machine_seen_as(monkeypatch, 0.0)
     assert main(["target=tiny-random", "context=8", "weight_layout=stock"]) == 0
     out = capsys.readouterr().out
-    assert "weight layout: stock" in out and "N=   1" in out and "tree budget" in out
-    assert (tmp_path / "calibration" / f"tiny-random-cpu{torch.get_num_threads()}-float32-stock.json").is_file()
+    header = next(line for line in out.splitlines() if line.strip().startswith("N "))
+    assert header.split()[1:] == ["stock", "wide-column", "packed"]
+    assert "packing the weights" in out and "T(8)/T(1): stock" in out and ", packed " in out
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 3  # one curve per layout
+
+
+def test_a_curve_measured_on_a_busy_machine_is_not_cached_unless_forced(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path))
+    machine_seen_as(monkeypatch, 0.5)  # another process used half the CPU
+    assert main(["target=tiny-random", "context=8", "weight_layout=stock", "compare=false"]) == 0
+    out = capsys.readouterr().out
+    assert "NOT cached" in out and "other processes used 50% of the CPU" in out
+    assert not list((tmp_path / "calibration").glob("*stock.json"))
+    assert main(["target=tiny-random", "context=8", "weight_layout=auto", "compare=false", "force=true"]) == 0
+    cached = list((tmp_path / "calibration").glob("*.json"))
+    assert any(p.name.endswith("-layout.json") for p in cached) and len(cached) == 2
+    assert all(json.loads(p.read_text())["quality"]["noisy"] for p in cached)
+
+
+def test_the_busy_machine_detector_sees_another_process():
+    import subprocess
+    import sys
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with quiet.watch() as seen:
+            end = time.perf_counter() + 1.0
+            while time.perf_counter() < end:
+                time.sleep(0.05)  # this process idles; the other one burns a core
+    finally:
+        burner.kill()
+    assert seen.other_cpu > 0.8 / (os.cpu_count() or 1)
 
 
 @pytest.mark.parametrize("argv, named", [

@@ -259,3 +259,14 @@ def test_a_briefly_trained_head_is_accepted_and_still_lossless(target):
                                                                           stop_on_eos=False)
     assert out.tokens == cont[:4]
     assert out.stats.tau > 2.5
+
+
+@pytest.mark.parametrize("layout", ["stock", "wide-column", "packed"])
+def test_every_weight_layout_is_lossless(target, prompts, plain, layout):
+    """The tree is verified by multi-row GEMMs (packed: MKL's packed kernel) while plain decoding runs
+    one-row GEMVs: the tokens must not change."""
+    drafter = build_drafter("draft_model", target, draft_model=build_tiny_random(seed=1)[0], policy="dynamic",
+                            total_tokens=12, depth=4, top_k=3)
+    engine = Engine(target, drafter, block_size=4, budget=TreeBudget(), weight_layout=layout)
+    assert engine.generate(prompts, max_new_tokens=NEW, stop_on_eos=False).tokens == plain
+    assert Engine(target, weight_layout=layout).generate(prompts, max_new_tokens=NEW, stop_on_eos=False).tokens == plain
