@@ -106,7 +106,7 @@ def train_headway(args, seed: int) -> Path:
 
 
 def export_headway(final: Path) -> Path:
-    out = final.parent / "eagle3"
+    out = final.parent.with_name(final.parent.name + "-eagle3")  # beside the run: exports never go inside it
     if not (out / "config.json").is_file():
         run([sys.executable, "scripts/export.py", f"checkpoint={final}", "format=eagle3", f"output={out}"],
             final.parent / "export.log")
@@ -190,10 +190,10 @@ def train_peer(args, python: Path, seed: int, target_dir: Path, data: Path, info
 # ----------------------------------------------------------------------------------------- judge
 
 def judge_prompts(args) -> list[str]:
-    from headway.train.data.prompt_sets import load_prompt_set
+    from headway.infer.prompt_sets import load_prompt_set
 
     taken, per = [], {}
-    for row in load_prompt_set("mt-bench"):
+    for row in load_prompt_set("chat"):
         if per.get(row["category"], 0) < args.per_category:
             per[row["category"]] = per.get(row["category"], 0) + 1
             taken.append(row["prompt"])
