@@ -37,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", nargs="+", default=["chat:16", "humaneval:8"],
                    help="prompt sets to evaluate on, as name:count")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--plot", metavar="KEY", help="a numeric override every variant sets (e.g. "
+                   "data.max_conversations): plot tau against it into OUT/<KEY>.png")
     return p.parse_args(argv)
 
 
@@ -98,6 +100,37 @@ def main(argv=None) -> None:
         table.append(row)
         (args.out / "ablation.json").write_text(json.dumps(table, indent=1) + "\n")
         print_table(table)
+    if args.plot:
+        print(f"plot: {plot_curve(table, args.plot, [p for p, _ in sets], args.out)}")
+
+
+def plot_curve(table: list[dict], key: str, prompt_sets: list[str], out: Path) -> Path:
+    """Held-out tau per prompt set and validation simulated tau against the value `key` takes per variant."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def value(row):
+        text = "" if row["overrides"] == "-" else row["overrides"]
+        found = [o.split("=", 1)[1] for o in overrides(text) if o.split("=")[0] == key]
+        if not found:
+            sys.exit(f"error: --plot {key}: variant {row['variant']} does not set {key}=<number>")
+        return float(found[0])
+
+    rows = sorted(table, key=value)
+    xs = [value(r) for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in [f"{p} tau" for p in prompt_sets] + ["val sim tau"]:
+        ax.plot(xs, [r[name] for r in rows], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(key)
+    ax.set_ylabel("acceptance length tau (8-node tree)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = out / f"{key}.png"
+    fig.savefig(path, dpi=120)
+    return path
 
 
 def print_table(rows: list[dict]) -> None:

@@ -1,0 +1,37 @@
+"""scripts/ablate.py's data-size curve: tau plotted against the value each variant sets."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+@pytest.fixture
+def ablate(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    sys.modules.pop("ablate", None)
+    return importlib.import_module("ablate")
+
+
+def row(name, text, chat, val):
+    return {"variant": name, "overrides": text, "val sim tau": val, "chat tau": chat}
+
+
+def test_the_curve_is_drawn_in_order_of_the_value(ablate, tmp_path, monkeypatch):
+    drawn = []
+    import matplotlib.axes
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, xs, ys, **kw: drawn.append((kw["label"], xs, ys)))
+    table = [row("all", "data.max_conversations=1000,optim.lr=1e-3", 1.9, 1.7),
+             row("n250", "data.max_conversations=250", 1.5, 1.4)]
+    path = ablate.plot_curve(table, "data.max_conversations", ["chat"], tmp_path)
+    assert path == tmp_path / "data.max_conversations.png" and path.stat().st_size > 0
+    assert drawn == [("chat tau", [250.0, 1000.0], [1.5, 1.9]), ("val sim tau", [250.0, 1000.0], [1.4, 1.7])]
+
+
+def test_a_variant_without_the_value_is_one_clear_error(ablate, tmp_path):
+    table = [row("base", "-", 1.5, 1.4)]
+    with pytest.raises(SystemExit, match="variant base does not set data.max_conversations"):
+        ablate.plot_curve(table, "data.max_conversations", ["chat"], tmp_path)
