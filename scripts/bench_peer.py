@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--per-category", type=int, default=5, help="chat prompts judged per category")
     p.add_argument("--tokens", type=int, default=128, help="generated tokens per prompt")
+    p.add_argument("--data", type=Path, help="a conversations file (messages or ShareGPT rows) both trainers "
+                   "learn from instead of the embedded default set (data=default)")
     p.add_argument("--headway-overrides", nargs="*", default=[], help="extra train/main.py overrides")
     p.add_argument("--venvs", type=Path, default=cache_root() / "venvs",
                    help="the peers' virtualenvs (speculators, vLLM), created when missing (as serve_check.py does)")
@@ -85,11 +87,13 @@ def save_target_folder(args) -> Path:
 
 
 def headway_target_overrides(args) -> list[str]:
+    data = ["data=local", f"data.source={args.data.resolve()}", "data.format=messages",
+            "data.hidden_states=offline"] if args.data else []
     if args.quick:
         # a draft vocabulary smaller than the target's (259): with equal sizes vLLM builds no d2t to load
         return ["target=tiny-random", "data=tiny", "'+target.tiny={num_attention_heads:2,num_key_value_heads:1}'",
-                "head.options.draft_vocab_size=128"]
-    return []
+                "head.options.draft_vocab_size=128", *data]
+    return data
 
 
 # -------------------------------------------------------------------------------------- headway
@@ -135,6 +139,9 @@ def peer_data(args, seed: int, target_dir: Path, head: Path) -> tuple[Path, dict
     from headway.train.data import build_datasets
 
     cfg = OmegaConf.load(REPO / "conf" / "data" / ("tiny.yaml" if args.quick else "default.yaml"))
+    if args.data:  # the same rows and split as headway's data=local run
+        cfg = OmegaConf.merge(OmegaConf.load(REPO / "conf" / "data" / "local.yaml"),
+                              {"source": str(args.data.resolve()), "format": "messages"})
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     train_ds, val_ds = build_datasets(cfg, tokenizer, args.max_length, seed)
     rows = concatenate_datasets([train_ds, val_ds]).select_columns(["input_ids", "loss_mask"])
