@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from bench_common import REPO, print_table
-from serve_check import VENVS, SetupError, ensure_venv
+from serve_check import VENVS, SetupError, ensure_venv, save_smollm2_target
 
 from headway.heads.target import cache_root
 
@@ -72,9 +72,14 @@ def target_spec(args) -> dict:
 
 
 def save_target_folder(args) -> Path:
-    """The target as an HF folder (fp32) that the peer and vLLM load."""
+    """The target as an HF folder (fp32) that the peer and vLLM load (SmolLM2 through serve_check's
+    builder: a GGUF-loaded model cannot be saved as it is)."""
     folder = args.out / "target"
     if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    if not args.quick:
+        save_smollm2_target(folder)
         return folder
     from headway.heads.target import load_target
 
