@@ -120,3 +120,24 @@ def test_built_in_training_prompts_never_overlap_evaluation_prompts():
     held_out = OverlapIndex(evaluation_prompts())
     bad = [(p["id"], why) for p in default_prompts() if (why := held_out.overlap(p["prompt"]))]
     assert not bad
+
+
+def test_the_default_prompts_do_not_depend_on_the_interpreter_path():
+    """`python` and `accelerate launch` (python3) must key the same default dataset: no prompt may show a
+    path of this machine (platform.architecture's default is sys.executable)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import hashlib, json; from headway.train.data.default_set import default_prompts; "
+            "print(hashlib.sha256(json.dumps(default_prompts()).encode()).hexdigest())")
+    real = Path(sys.executable).resolve()
+    alias = Path(sys.executable).with_name("python-alias-for-test")
+    alias.unlink(missing_ok=True)
+    alias.symlink_to(real)
+    try:
+        digests = {subprocess.run([exe, "-c", code], capture_output=True, text=True, check=True).stdout
+                   for exe in (sys.executable, str(alias))}
+    finally:
+        alias.unlink()
+    assert len(digests) == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import os
 import re
 
 MODULES = ("bisect", "base64", "calendar", "colorsys", "difflib", "fnmatch", "fractions", "ftplib", "glob",
@@ -29,6 +30,13 @@ def _first_paragraph(doc: str) -> str:
     return re.sub(r"\s+", " ", " ".join(lines)).strip()
 
 
+def _machine_specific(default) -> bool:
+    """A default value that differs between machines or launchers (a filesystem path): a prompt showing
+    it would change the default dataset's key, and a dataset built by `accelerate launch` (python3) would
+    be rebuilt by `python`."""
+    return isinstance(default, str) and (os.sep in default or (os.altsep or os.sep) in default)
+
+
 def _candidates() -> list[tuple[str, str, str]]:
     """(qualified name, signature, description) for public stdlib functions with a usable docstring."""
     out = {}
@@ -42,9 +50,12 @@ def _candidates() -> list[tuple[str, str, str]]:
                 continue
             doc = _first_paragraph(fn.__doc__)
             try:
-                sig = f"{fname}{inspect.signature(fn)}"
+                signature = inspect.signature(fn)
             except (TypeError, ValueError):
                 continue
+            if any(_machine_specific(p.default) for p in signature.parameters.values()):
+                continue  # e.g. platform.architecture(executable=<this interpreter's path>)
+            sig = f"{fname}{signature}"
             if 40 <= len(doc) <= 500 and len(sig) <= 80:
                 out.setdefault(doc, (f"{module.__name__}.{fname}", sig, doc))  # one prompt per description
     return sorted(out.values())
