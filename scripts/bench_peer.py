@@ -96,8 +96,8 @@ def headway_target_overrides(args) -> list[str]:
             "data.hidden_states=offline"] if args.data else []
     if args.quick:
         # a draft vocabulary smaller than the target's (259): with equal sizes vLLM builds no d2t to load
-        return ["target=tiny-random", "data=tiny", "'+target.tiny={num_attention_heads:2,num_key_value_heads:1}'",
-                "head.options.draft_vocab_size=128", *data]
+        return ["target=tiny-random", "'+target.tiny={num_attention_heads:2,num_key_value_heads:1}'",
+                "head.options.draft_vocab_size=128", *(data or ["data=tiny"])]
     return data
 
 
@@ -230,6 +230,8 @@ def summary(values: list[float]) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.data and not args.data.is_file():
+        sys.exit(f"error: --data {args.data}: no such file; give a conversations file (messages or ShareGPT rows)")
     args.out.mkdir(parents=True, exist_ok=True)
     try:  # the same recipes as serve_check.py: CPU torch first, vLLM without torchvision
         python = ensure_venv(args.venvs, VENVS["speculators"], print)

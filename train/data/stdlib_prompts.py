@@ -34,7 +34,7 @@ def _machine_specific(default) -> bool:
     """A default value that differs between machines or launchers (a filesystem path): a prompt showing
     it would change the default dataset's key, and a dataset built by `accelerate launch` (python3) would
     be rebuilt by `python`."""
-    return isinstance(default, str) and (os.sep in default or (os.altsep or os.sep) in default)
+    return isinstance(default, str) and any(sep in default for sep in (os.sep, os.altsep) if sep)
 
 
 def _candidates() -> list[tuple[str, str, str]]:
