@@ -19,6 +19,12 @@ what tree drafting sees), loss = sum_j step_decay^j x soft CE to the target's di
 draft vocabulary (renormalised; reported as KL). Anchors use 3 to 7 steps; 3 keeps CPU runs cheap. The per-step (chain-
 conditional) accuracies are the depth accuracies; eval mode unrolls max(ttt_steps, eval_depths) steps.
 
+Three optional norms (the "EAGLE 3.1" variants that speculators trains by default and vLLM serves, each a
+config key of the same name): `norm_before_fc` adds `input_norm`, an RMSNorm over the concatenated aux
+states [A*h] before fc (the target's layers differ in scale by orders of magnitude); `norm_before_residual`
+makes hidden_norm(g) rather than g the residual; `norm_output` feeds norm(o_t) (not o_t) to the next step, so
+lm_head reads it directly.
+
 Parameter names follow the EAGLE-3 serving layout: `fc`, `midlayer.{input_layernorm, hidden_norm,
 post_attention_layernorm, self_attn.*, mlp.*}`, `norm`, `lm_head`, `d2t`, `t2d` (no embedding).
 """
@@ -34,7 +40,8 @@ from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_laye
                           rotary, shift_left, unrolled_accuracy)
 
 DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4,
-                init_layer="random")
+                init_layer="random", norm_before_fc=False, norm_before_residual=False, norm_output=False)
+NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -50,6 +57,8 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
     def __init__(self, target_config, **options):
         opts = resolve_options("eagle3", DEFAULTS, options, {"init_layer": INIT_LAYER})
         positive_int("eagle3", opts, "draft_vocab_size", "ttt_steps", "eval_depths")
+        for flag in NORM_FLAGS:
+            require(isinstance(opts[flag], bool), f"head 'eagle3': {flag} must be true or false, got {opts[flag]!r}")
         N, h, V = target_config.num_hidden_layers, target_config.hidden_size, target_config.vocab_size
         aux = opts["aux_layers"]
         aux = default_aux_layers(N) if aux is None else [int(i) for i in aux]
@@ -67,6 +76,8 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
             old = getattr(attn, name)
             setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
         self.norm = new_rms_norm(self.midlayer, target_config)
+        if opts["norm_before_fc"]:  # made after the layers so the default head's random init is unchanged
+            self.input_norm = new_rms_norm(self.midlayer, target_config, len(aux) * h)
         self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(V) < self.draft_vocab_size)
@@ -111,19 +122,27 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         return None
 
     def fuse(self, feats: TargetFeatures) -> Tensor:  # -> g [B, T, h]
-        return self.fc(torch.cat([feats.hidden_states[i] for i in self.aux_layers], -1))
+        stacked = torch.cat([feats.hidden_states[i] for i in self.aux_layers], -1)  # [B, T, A*h]
+        if self.options["norm_before_fc"]:
+            stacked = self.input_norm(stacked)
+        return self.fc(stacked)
 
     def step(self, emb: Tensor, hidden: Tensor, positions: Tensor, kv, mask) -> Tensor:
-        """(embed(x_{t+1}), hidden_t) -> o_t, the pre-norm output that is also the next step's hidden."""
-        layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], -1)  # [B, n, 2h]
+        """(embed(x_{t+1}), hidden_t) -> o_t, the next step's hidden: pre-norm, or norm(o_t) with norm_output."""
+        layer, o = self.midlayer, self.options
+        normed = layer.hidden_norm(hidden)
+        x = torch.cat([layer.input_layernorm(emb), normed], -1)  # [B, n, 2h]
         attn, _ = layer.self_attn(hidden_states=x, position_embeddings=rotary(self.frozen, x, positions),
                                   attention_mask=mask, cache=kv)
-        h = hidden + attn
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = (normed if o["norm_before_residual"] else hidden) + attn
+        out = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(out) if o["norm_output"] else out
+
+    def readout_input(self, out: Tensor) -> Tensor:  # a step's output, normed once before lm_head
+        return out if self.options["norm_output"] else self.norm(out)
 
     def draft_logits(self, out: Tensor) -> Tensor:  # [..., h] -> [..., Vd]
-        return self.lm_head(self.norm(out))
+        return self.lm_head(self.readout_input(out))
 
     def begin_hidden(self, feats: TargetFeatures) -> Tensor:
         return self.fuse(feats)
@@ -134,7 +153,7 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         return layer + self.readout_rows(self.draft_vocab_size, self.draft_ids) * h
 
     def vocab_logits(self, out: Tensor) -> Tensor:  # [..., h] -> [..., V] over the target vocabulary
-        return self.readout(self.norm(out), self.lm_head, self.draft_ids)
+        return self.readout(self.readout_input(out), self.lm_head, self.draft_ids)
 
     # ----------------------------------------------------------------------------------- training
     def forward(self, input_ids: Tensor, loss_mask: Tensor, feats: TargetFeatures):

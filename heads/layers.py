@@ -98,9 +98,9 @@ def copy_target_layer(head_layer: nn.Module, target_layer: nn.Module) -> None:
             param[:, -src.shape[1]:].copy_(src)
 
 
-def new_rms_norm(layer: nn.Module, config) -> nn.Module:
-    """An RMSNorm of the target's own flavour (the class its decoder layer uses)."""
-    return type(layer.post_attention_layernorm)(config.hidden_size, eps=config.rms_norm_eps)
+def new_rms_norm(layer: nn.Module, config, size: int | None = None) -> nn.Module:
+    """An RMSNorm of the target's own flavour (the class its decoder layer uses), hidden_size wide by default."""
+    return type(layer.post_attention_layernorm)(size or config.hidden_size, eps=config.rms_norm_eps)
 
 
 class JoinKV:

@@ -39,6 +39,7 @@ from headway.heads.files import write_json_atomic
 from headway.heads.target import TargetSpec
 from headway.infer.measurements import measurement_path
 from headway.infer.quiet import spread, watch
+from headway.infer import panel as panel_kernel
 from headway.infer.weight_layout import PACK_BUCKETS, apply_layout, candidates, check_layout, choose_layout, current_layout, layout_path, pack_all
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -212,6 +213,9 @@ def calibrate(cfg, out=print) -> dict[int, float]:
         if layout == "packed":
             out(f"packed: packing the weights for rows {', '.join(map(str, PACK_BUCKETS))} took "
                 f"{pack_all(target.model):.1f} s (paid once per process, on first use of each bucket)")
+        if layout == "panel":
+            out(f"panel: kernel ready in {panel_kernel.READY_SECONDS.get('kernel', 0.0):.1f} s (compiled once per "
+                f"machine and torch build in torch's extension folder, then loaded)")
         curves[layout] = calibrate_latency(target, context=cfg.context, force=cfg.force)
         notes[layout] = calibrate_latency.last_quality
     apply_layout(target.model, engine_layout)

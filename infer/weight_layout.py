@@ -13,6 +13,7 @@ project's reference CPU (2 cores, AVX-512, fp32; every Linear of SmolLM2-135M in
     oneDNN packed             35.9   31.1   33.0   38.3   48.2
     inductor max-autotune     22.2      -      -   40.3      -    (torch.compile, freezing, C++ GEMM
                                                                    template; ~1 min compile per shape)
+    panel (infer/panel.py)    20.8   22.1   24.3   27.7   35.9
 
 The layouts (same values, same modules, same transformers code; only how F.linear reaches the weights):
   stock        as loaded (row-major [out, in])
@@ -22,6 +23,9 @@ The layouts (same values, same modules, same transformers code; only how F.linea
                copy packed for MKL's GEMM (torch.ops.mkl._mkl_linear), made once per row bucket (4, 8,
                16, 32, 64; rows are zero-padded up to the bucket) the first time the bucket is used:
                each bucket used costs one more copy of the weights in memory and ~0.1-1 s to pack
+  panel        every Linear runs 1..32 rows through a small AVX-512 kernel over a copy of its weight
+               laid out as 48-column panels, streamed once per call whatever the row count
+               (infer/panel.py; compiled on first use, one more copy of the weights in memory)
   auto         on a CPU, the layout with the least T(1) + T(8) (a decode step plus a typical tree),
                measured once per target, threads and dtype while the machine is quiet (infer.quiet), and
                cached beside the T(N) curve; stock elsewhere (cuBLAS reads every layout at full speed)
@@ -46,22 +50,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from headway.heads.files import write_json_atomic
+from headway.infer import panel as panel_kernel
 from headway.infer.measurements import measurement_path
 from headway.infer.quiet import spread, watch
 
-LAYOUTS = ("auto", "stock", "wide-column", "packed")
+LAYOUTS = ("auto", "stock", "wide-column", "packed", "panel")
 MIN_GAIN = 1.03  # auto leaves the stock layout only for a score at least 3% better (timings are noisy)
 PACK_BUCKETS = (4, 8, 16, 32, 64)  # row counts with a packed copy; fewer rows than 3 run the stock GEMV
 MIN_PACKED_ROWS = 3
 SCORE_ROWS = (1, 8)  # auto's score: T(1) + T(8), a decode step plus a typical tree
-CHOICE_VERSION = 2  # cached choices from before the packed layout are measured again
+CHOICE_VERSION = 3  # cached choices from before the panel layout are measured again
 
 
 def candidates(model: nn.Module) -> tuple[str, ...]:
-    """The layouts this model can run here (packed needs MKL and fp32 weights on a CPU)."""
+    """The layouts this model can run here (packed needs MKL, panel AVX-512 and a C++ compiler; both fp32
+    weights on a CPU)."""
     param = next(model.parameters())
-    packable = torch.backends.mkl.is_available() and param.device.type == "cpu" and param.dtype == torch.float32
-    return ("stock", "wide-column", "packed") if packable else ("stock", "wide-column")
+    fp32_cpu = param.device.type == "cpu" and param.dtype == torch.float32
+    packed = ("packed",) if fp32_cpu and torch.backends.mkl.is_available() else ()
+    panel = ("panel",) if fp32_cpu and panel_kernel.unavailable_reason() is None else ()
+    return ("stock", "wide-column") + packed + panel
 
 
 def wide_linears(model: nn.Module) -> list[nn.Linear]:
@@ -77,14 +85,18 @@ def apply_layout(model: nn.Module, layout: str = "auto", target=None) -> str:
         layout = choose_layout(target if target is not None else model)
     if layout == "packed" and layout not in candidates(model):
         raise ValueError("weight_layout=packed needs fp32 weights on a CPU with MKL; use stock or wide-column")
+    if layout == "panel" and layout not in candidates(model):
+        why = panel_kernel.unavailable_reason() or "the model is not fp32 on a CPU"
+        raise ValueError(f"weight_layout=panel needs fp32 weights on a CPU with AVX-512 and a C++ compiler "
+                         f"({why}); use stock or packed")
     for linear in _linears(model):
         _unpack(linear)
     for linear in wide_linears(model):
         weight = linear.weight.data  # [out, in]
         linear.weight.data = weight.t().contiguous().t() if layout == "wide-column" else weight.contiguous()
-    if layout == "packed":
+    if layout in ("packed", "panel"):
         for linear in _linears(model):
-            _pack(linear)
+            _pack(linear) if layout == "packed" else panel_kernel.use_panels(linear)
     return layout
 
 
@@ -162,7 +174,11 @@ def measure_layouts(model: nn.Module, repeats: int = 5, rows=SCORE_ROWS) -> dict
         for linear, weight in zip(wide, column if layout == "wide-column" else stock):
             linear.weight.data = weight
         for linear in linears:
-            _pack(linear) if layout == "packed" else _unpack(linear)
+            _unpack(linear)
+            if layout == "packed":
+                _pack(linear)
+            elif layout == "panel":
+                panel_kernel.use_panels(linear)
 
     try:
         for round_ in range(repeats + 1):  # the first round warms up (and packs the buckets used)
@@ -183,6 +199,8 @@ def current_layout(model: nn.Module) -> str:
     linears = _linears(model)
     if linears and all(_is_packed(linear) for linear in linears):
         return "packed"
+    if linears and all(panel_kernel.uses_panels(linear) for linear in linears):
+        return "panel"
     wide = wide_linears(model)
     if wide and all(_column_major(linear.weight) for linear in wide):
         return "wide-column"

@@ -5,7 +5,7 @@
 
 Per seed: headway trains `train/main.py head=eagle3` (its own recipe; `--headway-overrides` pass through);
 the peer trains `python -m speculators.train --speculator-type eagle3` (its defaults) on the same training
-split (headway's split of its default data, same seed), the same step budget, max length and draft
+split (headway's split of its data, the same for every seed: `--split-seed`), the same step budget, max length and draft
 vocabulary (headway's d2t/t2d given to the peer). The peer runs in its own virtualenv (created when
 missing) with device plumbing only (scripts/peer/speculators_cpu.py). The judge is vLLM serving the
 target with each draft (scripts/peer/vllm_judge.py, vLLM's own venv). Prints mean acceptance length per
@@ -37,6 +37,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--split-seed", type=int, default=0, help="the train/validation split every seed trains on (seeds "
+                   "then differ in initialisation and data order only; the peer's data is extracted once)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=4, help="headway sequences per step (the peer packs the "
                    "same number of tokens per step on average)")
@@ -108,7 +110,8 @@ def train_headway(args, seed: int) -> Path:
     if not (run_dir / "final" / "config.json").is_file():
         cmd = [sys.executable, "train/main.py", "head=eagle3", *headway_target_overrides(args),
                f"train.max_steps={args.steps}", f"train.batch_size={args.batch_size}",
-               f"train.max_length={args.max_length}", f"train.seed={seed}", "train.eval_every=1000000",
+               f"train.max_length={args.max_length}", f"train.seed={seed}", f"+data.split_seed={args.split_seed}",
+               "train.eval_every=1000000",
                f"hydra.run.dir={run_dir}", "resume=latest", *args.headway_overrides]
         run(["bash", "-c", " ".join(map(str, cmd))], run_dir / "train.log")
     return run_dir / "final"
@@ -124,12 +127,12 @@ def export_headway(final: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------ peer
 
-def peer_data(args, seed: int, target_dir: Path, head: Path) -> tuple[Path, dict]:
-    """headway's own split for `seed` in the layout speculators' trainer reads: a `datasets` folder of
+def peer_data(args, target_dir: Path, head: Path) -> tuple[Path, dict]:
+    """headway's own split (`--split-seed`) in the layout speculators' trainer reads: a `datasets` folder of
     (input_ids, loss_mask, seq_len), train rows then validation rows, hidden states in
     hidden_states/hs_<row>.safetensors ({token_ids [T], hidden_states [T, A+1, h]}: headway's A auxiliary layers,
     then the last layer's output before the final norm), and headway's d2t/t2d as .npy."""
-    folder = args.out / f"peer-data-seed{seed}"
+    folder = args.out / f"peer-data-split{args.split_seed}"
     info_path = folder / "bench_info.json"
     if info_path.is_file():
         return folder, json.loads(info_path.read_text())
@@ -148,7 +151,7 @@ def peer_data(args, seed: int, target_dir: Path, head: Path) -> tuple[Path, dict
         cfg = OmegaConf.merge(OmegaConf.load(REPO / "conf" / "data" / "local.yaml"),
                               {"source": str(args.data.resolve()), "format": "messages"})
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    train_ds, val_ds = build_datasets(cfg, tokenizer, args.max_length, seed)
+    train_ds, val_ds = build_datasets(cfg, tokenizer, args.max_length, args.split_seed)
     rows = concatenate_datasets([train_ds, val_ds]).select_columns(["input_ids", "loss_mask"])
     rows = rows.map(lambda r: {"seq_len": len(r["input_ids"])})
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -243,7 +246,7 @@ def main(argv=None) -> None:
     rows = []
     for seed in args.seeds:
         final = train_headway(args, seed)
-        data, info = peer_data(args, seed, target_dir, final)
+        data, info = peer_data(args, target_dir, final)
         peer = train_peer(args, python, seed, target_dir, data, info)
         for name, draft in (("headway", export_headway(final)), ("speculators", peer)):
             result = judge(args, target_dir, draft, f"{name}-seed{seed}")

@@ -13,11 +13,13 @@ The engines count differently:
 Both engines capture in ascending layer order, once per id, neither can capture the embedding output
 (a = 0) or the final-normed state (a = N), and vLLM's `fc` reads exactly 3 hidden states. So the export writes both keys, each in its engine's convention
 (vLLM's top-level key wins in vLLM, SGLang only reads eagle_config), and refuses aux layers outside
-[1, N-1], repeated or out of ascending order. `norm_before_residual: false`: the fused feature, not its norm,
-is the residual (EAGLE-3's code; written explicitly, although it is also the default of vLLM and of speculators
-0.9.0). `norm_output` is deliberately not written: the key means opposite things to the peers (vLLM: feed the
-*normed* output to the next step, default false; SpecForge: apply `norm` before `lm_head`, default true), and
-each one's default is EAGLE-3's computation.
+[1, N-1], repeated or out of ascending order. `norm_before_residual` is always written (default false: the fused feature,
+not its norm, is the residual, EAGLE-3's code and the default of vLLM and speculators 0.9.0). The EAGLE 3.1 keys
+`norm_before_fc` and `norm_output` are written only for a head trained with them (head options of the same
+names; vLLM 0.32 and speculators 0.9.0 read both): `norm_output` means opposite things to the peers (vLLM: feed
+the *normed* output to the next step, default false; SpecForge: apply `norm` before `lm_head`, default true), so
+a default head leaves it out and each peer's default is EAGLE-3's computation. SGLang's reading of these keys is
+not checked here: serve EAGLE 3.1 variants with vLLM.
 
 Peers' extra expectations: SpecForge's warm start requires `embed_tokens.weight` in the draft and speculators
 reads it from there first, so both layouts carry a copy of the target's input embedding (V x h more on disk). With the full vocabulary both
@@ -31,12 +33,14 @@ Medusa head, N = target layers):
 eagle3 (primary for eagle3; official EAGLE-3 layout, vLLM and SGLang `LlamaForCausalLMEagle3`)
     config.json  one-layer Llama config (vocab_size = V, the target's), architectures
                  [LlamaForCausalLMEagle3], draft_vocab_size Vd, target_hidden_size, tie_word_embeddings false,
-                 norm_before_residual false, eagle_aux_hidden_state_layer_ids (vLLM ids, top level),
+                 norm_before_residual, norm_before_fc / norm_output (only when true),
+                 eagle_aux_hidden_state_layer_ids (vLLM ids, top level),
                  eagle_config {eagle_aux_hidden_state_layer_ids (SGLang ids), use_aux_hidden_state: true}
     model.safetensors  fc.weight [h, 3h], midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}
                  .weight [h], midlayer.self_attn.{q,k,v}_proj.weight [*, 2h], midlayer.self_attn.o_proj.weight,
                  midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight [Vd, h], d2t int64 [Vd]
-                 (target id = draft id + d2t[draft id]) and t2d bool [V] only when Vd < V (vLLM refuses d2t
+                 (target id = draft id + d2t[draft id]), input_norm.weight [3h] with norm_before_fc,
+                 and t2d bool [V] only when Vd < V (vLLM refuses d2t
                  with the full vocabulary), embed_tokens.weight [V, h] (a copy of the target's: SpecForge's
                  warm start requires it, speculators reads it; vLLM and SGLang use the target's values).
     Aux-layer ids: the head fuses hidden_states[a] (input of decoder layer a). vLLM's id i captures the input
@@ -116,8 +120,17 @@ def target_embedding(head, prov) -> dict:
 def eagle3_fields(head) -> dict:
     refuse_attention_bias(head, "eagle3")
     vllm_ids, _ = engine_aux_ids(head)
+    o = head.options
     return {"draft_vocab_size": head.draft_vocab_size, "target_hidden_size": head.target_config.hidden_size,
-            "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": vllm_ids}
+            "norm_before_residual": o["norm_before_residual"], "eagle_aux_hidden_state_layer_ids": vllm_ids,
+            **optional_norms(head)}
+
+
+def optional_norms(head) -> dict:
+    """The EAGLE 3.1 keys, written only when the head uses them: vLLM and speculators read `norm_before_fc`
+    (an `input_norm.weight` [3h] then ships) and `norm_output` (the next step reads norm(o)); for the default
+    head they are left out, as before, because SpecForge reads `norm_output` with another meaning."""
+    return {flag: True for flag in ("norm_before_fc", "norm_output") if head.options[flag]}
 
 
 def official_config(head, prov) -> dict:

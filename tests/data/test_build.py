@@ -145,6 +145,15 @@ def test_truncation_split_and_collate(tiny_tokenizer, tmp_path):
         assert (batch["input_ids"][row, n:] == tiny_tokenizer.pad_token_id).all()
 
 
+def test_split_seed_fixes_the_split_whatever_the_training_seed(tiny_tokenizer, tmp_path):
+    def val_rows(seed, **extra):
+        cfg = DataConfig(name="tiny", source="builtin:tiny", cache_dir=str(tmp_path / "hf"), val_size=8, **extra)
+        return sorted(map(tuple, build_datasets(cfg, tiny_tokenizer, 48, seed=seed)[1]["input_ids"]))
+
+    assert val_rows(0) != val_rows(1)  # by default the training seed draws the split
+    assert val_rows(1, split_seed=0) == val_rows(2, split_seed=0) == val_rows(0)
+
+
 def test_token_counts_count_only_assistant_tokens(tiny_tokenizer, tmp_path):
     train, _, stats = build(tiny_tokenizer, tmp_path, "builtin:tiny")
     counts = token_counts(train, len(tiny_tokenizer))

@@ -100,3 +100,16 @@ def check_cached_chain(head, target, batch, depths=3):
                                            msg=lambda s: f"depth {d + 1}, committed {m.tolist()}: {s}")
             head.draft_end(state)
             start = m
+
+
+def train_briefly(head, batch, feats, steps: int, lr: float = 3e-3):
+    """`steps` Adam steps on one fixed batch; returns (losses, the last HeadLoss)."""
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        out = head(batch["input_ids"], batch["loss_mask"], feats)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    return losses, out

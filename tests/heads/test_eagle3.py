@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from head_helpers import check_cached_chain, features, make_head
+from head_helpers import check_cached_chain, features, make_head, train_briefly
 from headway.heads.base import HeadError, load_head, save_head
 from headway.heads.eagle3 import default_aux_layers
 
@@ -51,3 +51,22 @@ def test_aux_layers_default_and_range(target):
         make_head("eagle3", target, aux_layers=[1, 2, 9])
     with pytest.raises(HeadError, match="token_counts"):
         make_head("eagle3", target).init_from_data(torch.ones(5))
+
+
+EAGLE31 = dict(norm_before_fc=True, norm_before_residual=True, norm_output=True)
+
+
+def test_eagle31_norms_draft_with_the_cache_what_training_computes(target, batch):
+    """With input_norm, the normed residual and the normed recurrent output, cached tree drafting still
+    equals the teacher-forced training unroll, and the head learns."""
+    head = make_head("eagle3", target, seed=3, **EAGLE31)
+    assert head.input_norm.weight.shape == (len(head.aux_layers) * target.config.hidden_size,)
+    check_cached_chain(head.eval(), target, batch)
+    head.train()
+    losses, _ = train_briefly(head, batch, features(head, target, batch), steps=30)
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_eagle31_flags_must_be_booleans(target):
+    with pytest.raises(HeadError, match="norm_output must be true or false"):
+        make_head("eagle3", target, norm_output="yes")

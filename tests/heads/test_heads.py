@@ -4,22 +4,15 @@ weights, and drafts with its KV cache exactly what its teacher-forced forward co
 import pytest
 import torch
 
-from head_helpers import KINDS, at_anchor, begin, check_cached_chain, features, make_head, yaml_options
+from head_helpers import (KINDS, at_anchor, begin, check_cached_chain, features, make_head, train_briefly,
+                          yaml_options)
 from headway.heads.base import HeadError, build_head, load_head, save_head
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_loss_falls_on_a_fixed_batch(kind, target, batch):
     head = make_head(kind, target)
-    feats = features(head, target, batch)
-    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(40):
-        out = head(batch["input_ids"], batch["loss_mask"], feats)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-        losses.append(out.loss.item())
+    losses, out = train_briefly(head, batch, features(head, target, batch), steps=40)
     assert out.depth_correct.shape == out.depth_count.shape == (head.num_depths,)
     assert losses[-1] < 0.6 * losses[0], losses
 

@@ -9,12 +9,17 @@ import torch
 from transformers import GenerationConfig
 
 from headway.heads.target import load_target
+from headway.infer import panel
 from headway.infer import quiet as quiet_module
 from headway.infer import weight_layout
 from headway.infer.calibrate import curve_path
 from headway.infer.engine import EngineError, Engine
 from headway.infer.hf_generate import hf_generate
 from headway.infer.weight_layout import apply_layout, current_layout, layout_path, stock_layout, wide_linears
+
+
+NEEDS_PANEL = pytest.mark.skipif(panel.unavailable_reason() is not None,
+                                 reason=f"panel layout: {panel.unavailable_reason()}")
 
 
 @pytest.fixture()
@@ -127,7 +132,7 @@ def test_a_choice_cached_before_the_packed_layout_is_measured_again(target, tmp_
 def test_measuring_layouts_times_each_candidate_and_leaves_the_model_as_found(target):
     apply_layout(target.model, "wide-column")
     times = weight_layout.measure_layouts(target.model, repeats=2)
-    assert set(times) == {"stock", "wide-column", "packed"}
+    assert set(times) == set(weight_layout.candidates(target.model)) >= {"stock", "wide-column", "packed"}
     assert all(len(s) == 2 and all(0 < t < 10 for t in s) for per in times.values() for s in per.values())
     assert current_layout(target.model) == "wide-column"
 
@@ -196,7 +201,7 @@ def test_hf_baseline_runs_the_stock_layout(target):
     assert current_layout(model) == "wide-column"
 
 
-@pytest.mark.parametrize("layout", ["wide-column", "packed"])
+@pytest.mark.parametrize("layout", ["wide-column", "packed", pytest.param("panel", marks=NEEDS_PANEL)])
 def test_engine_restores_its_layout_and_outputs_do_not_depend_on_it(target, layout):
     prompts = [[5, 9, 13, 40], [7, 3]]
     stock = Engine(target, weight_layout="stock")
@@ -235,3 +240,61 @@ def test_a_packed_model_can_be_deep_copied_and_pickled(target):
     buffer = io.BytesIO()
     torch.save(twin, buffer)
     assert not torch.load(io.BytesIO(buffer.getvalue()), weights_only=False).lm_head.packed_weights
+
+
+@NEEDS_PANEL
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize("shape", [(48, 80), (37, 200), (64, 48)])
+def test_panel_linear_equals_the_stock_one_for_any_row_count_and_shape(rows, shape):
+    """Any in/out size (a last panel only partly used, an input width that is no multiple of 16), up to 32
+    rows through the kernel (8 rows per pass, then the rest), more through F.linear; the bias is added."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(*shape, bias=rows % 2 == 1)
+    x = torch.randn(rows, shape[0])
+    reference = linear(x)
+    panel.use_panels(linear)
+    assert linear.panels.shape == (-(-shape[1] // 48), shape[0], 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x), reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(linear(x.view(1, rows, -1)), reference.view(1, rows, -1), rtol=1e-5, atol=1e-5)
+    linear(x).sum().backward()  # with autograd on, the plain path (the kernel has no backward)
+    assert linear.weight.grad is not None
+
+
+@NEEDS_PANEL
+def test_panel_copy_follows_a_weight_changed_in_place():
+    linear = torch.nn.Linear(32, 96, bias=False)
+    panel.use_panels(linear)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        linear.weight.mul_(2)
+        torch.testing.assert_close(linear(x), x @ linear.weight.T, rtol=1e-5, atol=1e-5)
+
+
+@NEEDS_PANEL
+def test_panel_layout_keeps_outputs_and_survives_copy_and_pickle(target):
+    import copy
+    import io
+
+    model = target.model
+    ids = torch.randint(3, 256, (2, 11), generator=torch.Generator().manual_seed(0))
+    reference = logits_of(model, ids)
+    assert apply_layout(model, "panel") == "panel" and current_layout(model) == "panel"
+    torch.testing.assert_close(logits_of(model, ids), reference, rtol=1e-5, atol=1e-5)
+    with stock_layout(model):
+        assert current_layout(model) == "stock"
+    assert current_layout(model) == "panel"
+    twin = copy.deepcopy(model)
+    assert current_layout(twin) == "panel"
+    torch.testing.assert_close(logits_of(twin, ids), reference, rtol=1e-5, atol=1e-5)
+    buffer = io.BytesIO()
+    torch.save(twin, buffer)
+    torch.testing.assert_close(logits_of(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False), ids),
+                               reference, rtol=1e-5, atol=1e-5)
+
+
+def test_panel_layout_where_it_cannot_run_is_one_clear_error(target, monkeypatch):
+    monkeypatch.setattr(panel, "unavailable_reason", lambda: "needs AVX-512 (this CPU: AVX2)")
+    assert "panel" not in weight_layout.candidates(target.model)
+    with pytest.raises(ValueError, match="weight_layout=panel needs .*AVX-512"):
+        apply_layout(target.model, "panel")

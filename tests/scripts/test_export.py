@@ -230,9 +230,14 @@ def test_mtp_merge_files_and_engine_forward(target, finals, tmp_path):
     assert "merge_into_index.json" in card and '"method": "mtp"' in card and "DeepSeek-V2/V3" in card
 
 
+def rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
 def eagle3_engine_logits(out, weights, prefix, target, ids, aux):
-    """vLLM/SGLang Eagle3 first draft step, from the exported files alone: g = fc(cat(aux hidden states));
-    x = cat(input_layernorm(embed), hidden_norm(g)); h = g + attn(x); o = h + mlp(post_norm(h));
+    """vLLM/SGLang Eagle3 first draft step, from the exported files alone: g = fc(cat(aux hidden states))
+    (input_norm first with norm_before_fc); x = cat(input_layernorm(embed), hidden_norm(g)); h = g + attn(x)
+    (hidden_norm(g) + attn(x) with norm_before_residual); o = h + mlp(post_norm(h));
     draft logits = lm_head(norm(o)) scattered to target ids d2t[i] + i (-inf elsewhere)."""
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -250,18 +255,65 @@ def eagle3_engine_logits(out, weights, prefix, target, ids, aux):
 
     T = ids.shape[1]
     hs = target.model(ids, output_hidden_states=True).hidden_states
-    g = torch.cat([hs[a][:, :-1] for a in aux], -1) @ weights["fc.weight"].T
+    stacked = torch.cat([hs[a][:, :-1] for a in aux], -1)
+    if cfg.get("norm_before_fc"):  # EAGLE 3.1: input_norm over the concatenated aux states
+        stacked = rms_norm(stacked, weights["input_norm.weight"], layer_cfg.rms_norm_eps)
+    g = stacked @ weights["fc.weight"].T
     emb = torch.nn.functional.embedding(ids[:, 1:], weights["embed_tokens.weight"])  # the export's own copy
     x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(g)], -1)
     rope = target.model.model.rotary_emb(x, torch.arange(T - 1)[None])
     mask = torch.full((T - 1, T - 1), float("-inf")).triu(1)[None, None]
-    h = g + layer.self_attn(hidden_states=x, position_embeddings=rope, attention_mask=mask)[0]
+    residual = layer.hidden_norm(g) if cfg["norm_before_residual"] else g
+    h = residual + layer.self_attn(hidden_states=x, position_embeddings=rope, attention_mask=mask)[0]
     o = h + layer.mlp(layer.post_attention_layernorm(h))
     draft = norm(o[:, -1]) @ weights["lm_head.weight"].T  # [1, Vd]
     full = torch.full((1, V), float("-inf"))
     full[:, torch.arange(VD) + weights["d2t"]] = draft
     assert weights["t2d"].sum() == VD and weights["t2d"][torch.arange(VD) + weights["d2t"]].all()
     return full
+
+
+EAGLE31 = dict(norm_before_fc=True, norm_before_residual=True, norm_output=True)
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "eagle3-speculators"])
+def test_eagle31_norms_are_exported_as_the_engines_read_them(fmt, target, tmp_path):
+    """A head trained with the EAGLE 3.1 norms ships input_norm.weight and the three keys vLLM/speculators
+    read; the engine's first step computed from the files alone equals the head's draft, and the reloaded
+    export drafts (two levels: the second reads the normed recurrent output) equal the head's."""
+    torch.manual_seed(1)
+    head = build_head("eagle3", target, **HEADS["eagle3"], **EAGLE31)
+    head.init_from_data(torch.randint(0, 1000, (V,)))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+    save_head(head, tmp_path / "final")
+    out = export_head(tmp_path / "final", tmp_path / "e31", fmt, target=target, base_model="org/target")
+    cfg = json.loads((out / "config.json").read_text())
+    assert {k: cfg.get(k) for k in EAGLE31} == EAGLE31
+    w = load_file(str(out / "model.safetensors"))
+    assert list(w["input_norm.weight"].shape) == [3 * H]
+    ids = prompt_ids(target)
+    with torch.no_grad():
+        want = eagle3_engine_logits(out, w, "midlayer." if fmt == "eagle3" else "layers.0.", target, ids,
+                                    cfg["eagle_aux_hidden_state_layer_ids"])
+    got, got2 = draft(head.eval(), target, ids)
+    torch.testing.assert_close(got[~got.isinf()], want[~want.isinf()], rtol=1e-4, atol=1e-4)
+    back, back2 = draft(load_export(out, target=target), target, ids)
+    torch.testing.assert_close((back, back2), (got, got2))
+
+
+def test_eagle31_norm_output_feeds_the_normed_output_forward(target):
+    """norm_output changes what the next step reads (norm(o) instead of o): same weights, same first draft,
+    different second-level drafts."""
+    torch.manual_seed(2)
+    plain = build_head("eagle3", target, **HEADS["eagle3"])
+    normed = build_head("eagle3", target, **HEADS["eagle3"], norm_output=True)
+    normed.load_state_dict(plain.state_dict())
+    ids = prompt_ids(target)
+    (a1, a2), (b1, b2) = draft(plain.eval(), target, ids), draft(normed.eval(), target, ids)
+    torch.testing.assert_close(a1, b1)
+    assert not torch.allclose(a2[~a2.isinf()], b2[~b2.isinf()])
 
 
 @pytest.mark.parametrize("fmt", ["eagle3", "eagle3-speculators"])
@@ -272,6 +324,7 @@ def test_eagle3_configs_and_engine_forward(fmt, target, finals, tmp_path):
     out = export_head(final, tmp_path / "e3", fmt, target=target, base_model="org/target", num_speculative_tokens=3)
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["draft_vocab_size"], cfg["target_hidden_size"], cfg["norm_before_residual"]) == (VD, H, False)
+    assert "norm_before_fc" not in cfg and "norm_output" not in cfg  # SpecForge reads norm_output otherwise
     vllm_ids = cfg["eagle_aux_hidden_state_layer_ids"]
     assert vllm_ids == [1, 2, 3]  # vLLM: input of decoder layer i = hidden_states[i]
     if fmt == "eagle3":

@@ -188,6 +188,7 @@ def build_datasets(data_cfg, tokenizer, max_length: int, seed: int = 0, main_pro
     `capture` (train.data.capture.capture_plan): where a dataset generated here stores its hidden states."""
     cfg = as_data_config(data_cfg)
     check_data_config(cfg)
+    seed = seed if cfg.split_seed is None else cfg.split_seed
     if max_length < 2:
         raise DataError(f"max_length={max_length} must be >= 2")
     guard = main_process_first() if callable(main_process_first) else main_process_first

@@ -43,6 +43,8 @@ class DataConfig:
     split: str = "train"
     format: str = "auto"  # auto | messages | sharegpt
     max_conversations: Optional[int] = None  # keep the first N rows (after a seeded shuffle)
+    split_seed: Optional[int] = None  # seed of that shuffle and of the train/validation split (None: train.seed);
+    # fix it to compare seeds of training on one split (+data.split_seed=0)
     val_fraction: float = 0.05  # held-out share of conversations for validation ...
     val_size: Optional[int] = None  # ... or an absolute number (wins when set)
     packing: bool = False  # pack short conversations into rows of up to max_length tokens

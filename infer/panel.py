@@ -1,0 +1,105 @@
+"""The "panel" weight layout: every Linear multiplies a few rows (M <= 32) through a small AVX-512 kernel
+(panel_linear.cpp) that reads the weights once whatever M is, so verifying a tree of 8 tokens costs little
+more than a decode step. Larger M (prefill) and autograd take the stock F.linear on the stock weight.
+
+Each Linear keeps its stock weight and gains a copy laid out as panels [P, in, 48] (48 output features
+per panel, zero-padded), i.e. the layout doubles the Linear weights in memory. The kernel is compiled
+with the system C++ compiler on first use (torch.utils.cpp_extension; ~20-40 s once, then cached in
+torch's extension folder, $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions); without a compiler or
+AVX-512 the layout is simply unavailable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+SOURCE = Path(__file__).with_name("panel_linear.cpp")
+COLS = 48  # output features per panel (3 AVX-512 vectors)
+MAX_ROWS = 32  # above this the stock GEMM wins (compute-bound prefill)
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel can run here, else why not (one line)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return f"needs AVX-512 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+    try:
+        kernel()
+    except Exception as exc:  # no compiler, no headers, a failed build: the layout is just not offered
+        return f"could not build its kernel ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    return None
+
+
+READY_SECONDS: dict[str, float] = {}  # how long this process waited for the kernel (a build, or a load)
+
+
+@lru_cache(maxsize=1)
+def kernel():
+    """The compiled extension (built once per source version and torch build, then loaded from disk)."""
+    from torch.utils.cpp_extension import load
+
+    start = time.perf_counter()
+    tag = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    os.environ.setdefault("MAX_JOBS", "2")
+    module = load(name=f"headway_panel_{tag}", sources=[str(SOURCE)],  # built in $TORCH_EXTENSIONS_DIR
+                  extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"], verbose=False)
+    READY_SECONDS["kernel"] = time.perf_counter() - start
+    return module
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/48), K, 48], zero rows past N."""
+    N, K = weight.shape
+    P = -(-N // COLS)
+    padded = weight.new_zeros(P * COLS, K)
+    padded[:N] = weight
+    return padded.view(P, COLS, K).transpose(1, 2).contiguous()
+
+
+def panel_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward through the panel kernel for 1..MAX_ROWS rows; F.linear otherwise."""
+    rows = x.numel() // linear.in_features
+    if rows > MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+        return F.linear(x, linear.weight, linear.bias)
+    flat = x.reshape(rows, linear.in_features).contiguous()  # [M, in]
+    out = kernel().panel_linear(flat, panels_of(linear), linear.out_features)  # [M, out]
+    if linear.bias is not None:
+        out += linear.bias
+    return out.reshape(*x.shape[:-1], linear.out_features)
+
+
+def panels_of(linear: nn.Linear) -> torch.Tensor:
+    """The layer's panel copy, made again if its weight was replaced or changed in place since."""
+    weight = linear.weight
+    stamp = (weight.data_ptr(), weight._version)
+    if getattr(linear, "panel_stamp", None) != stamp:
+        linear.panels = to_panels(weight.detach())
+        linear.panel_stamp = stamp
+    return linear.panels
+
+
+class PanelForward:
+    """linear.forward in the panel layout (a plain object: the model still deep-copies and pickles)."""
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return panel_forward(self.linear, x)
+
+
+def use_panels(linear: nn.Linear) -> None:
+    panels_of(linear)  # made now, not in the first timed step
+    linear.forward = PanelForward(linear)
+
+
+def uses_panels(linear: nn.Linear) -> bool:
+    return isinstance(vars(linear).get("forward"), PanelForward)
