@@ -1,6 +1,7 @@
-"""The "panel" weight layout: every Linear multiplies a few rows (M <= 32) through a small AVX-512 kernel
-(panel_linear.cpp) that reads the weights once whatever M is, so verifying a tree of 8 tokens costs little
-more than a decode step. Larger M (prefill) and autograd take the stock F.linear on the stock weight.
+"""The "panel" weight layout: every Linear multiplies a few rows (2 <= M <= 32) through a small AVX-512
+kernel (panel_linear.cpp) that reads the weights once whatever M is, so verifying a tree of 8 tokens costs
+little more than a decode step. One row (the decode step: MKL's matrix-vector product was ~7% faster
+inside the model), larger M (prefill) and autograd take the stock F.linear on the stock weight.
 
 Each Linear keeps its stock weight and gains a copy laid out as panels [P, in, 48] (48 output features
 per panel, zero-padded), i.e. the layout doubles the Linear weights in memory. The kernel is compiled
@@ -24,7 +25,7 @@ from torch import nn
 
 SOURCE = Path(__file__).with_name("panel_linear.cpp")
 COLS = 48  # output features per panel (3 AVX-512 vectors)
-MAX_ROWS = 32  # above this the stock GEMM wins (compute-bound prefill)
+MIN_ROWS, MAX_ROWS = 2, 32  # one row: MKL's GEMV; above 32 the stock GEMM wins (compute-bound prefill)
 
 
 def unavailable_reason() -> str | None:
@@ -65,9 +66,9 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def panel_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward through the panel kernel for 1..MAX_ROWS rows; F.linear otherwise."""
+    """nn.Linear.forward through the panel kernel for MIN_ROWS..MAX_ROWS rows; F.linear otherwise."""
     rows = x.numel() // linear.in_features
-    if rows > MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+    if not MIN_ROWS <= rows <= MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
         return F.linear(x, linear.weight, linear.bias)
     flat = x.reshape(rows, linear.in_features).contiguous()  # [M, in]
     out = kernel().panel_linear(flat, panels_of(linear), linear.out_features)  # [M, out]

@@ -23,9 +23,10 @@ The layouts (same values, same modules, same transformers code; only how F.linea
                copy packed for MKL's GEMM (torch.ops.mkl._mkl_linear), made once per row bucket (4, 8,
                16, 32, 64; rows are zero-padded up to the bucket) the first time the bucket is used:
                each bucket used costs one more copy of the weights in memory and ~0.1-1 s to pack
-  panel        every Linear runs 1..32 rows through a small AVX-512 kernel over a copy of its weight
-               laid out as 48-column panels, streamed once per call whatever the row count
-               (infer/panel.py; compiled on first use, one more copy of the weights in memory)
+  panel        every Linear runs 2..32 rows through a small AVX-512 kernel over a copy of its weight
+               laid out as 48-column panels, streamed once per call whatever the row count, and one
+               row through the stock GEMV (infer/panel.py; compiled on first use, one more copy of the
+               weights in memory)
   auto         on a CPU, the layout with the least T(1) + T(8) (a decode step plus a typical tree),
                measured once per target, threads and dtype while the machine is quiet (infer.quiet), and
                cached beside the T(N) curve; stock elsewhere (cuBLAS reads every layout at full speed)

@@ -246,14 +246,18 @@ def test_a_packed_model_can_be_deep_copied_and_pickled(target):
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 32, 33, 100])
 @pytest.mark.parametrize("shape", [(48, 80), (37, 200), (64, 48)])
 def test_panel_linear_equals_the_stock_one_for_any_row_count_and_shape(rows, shape):
-    """Any in/out size (a last panel only partly used, an input width that is no multiple of 16), up to 32
-    rows through the kernel (8 rows per pass, then the rest), more through F.linear; the bias is added."""
+    """Any in/out size (a last panel only partly used, an input width that is no multiple of 16), 2 to 32
+    rows through the kernel (8 rows per pass, then the rest), 1 or more than 32 through F.linear; the bias
+    is added."""
     torch.manual_seed(rows)
     linear = torch.nn.Linear(*shape, bias=rows % 2 == 1)
     x = torch.randn(rows, shape[0])
     reference = linear(x)
     panel.use_panels(linear)
     assert linear.panels.shape == (-(-shape[1] // 48), shape[0], 48)
+    bias = 0 if linear.bias is None else linear.bias
+    torch.testing.assert_close(panel.kernel().panel_linear(x, linear.panels, shape[1]) + bias, reference,
+                               rtol=1e-5, atol=1e-5)  # the kernel itself, at every row count
     with torch.inference_mode():
         torch.testing.assert_close(linear(x), reference, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(linear(x.view(1, rows, -1)), reference.view(1, rows, -1), rtol=1e-5, atol=1e-5)
