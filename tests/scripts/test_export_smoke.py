@@ -52,8 +52,9 @@ def test_smoke_trained_head_exports_and_reloads(fmt, runs, tmp_path):
     assert {k: (v.shape, v.dtype) for k, v in tensors.items()} == {k: (v.shape, v.dtype) for k, v in want.items()}
     if fmt in ("eagle", "medusa-original", "eagle3", "eagle3-speculators"):  # sizes differ from test_export's
         assert len(tensors) == {"eagle": len(EXPECTED["eagle"]), "medusa-original": 4 * 3,  # full vocabulary:
-                                "eagle3": len(EXPECTED["eagle3"]) - 2,  # no d2t/t2d
-                                "eagle3-speculators": len(EXPECTED["eagle3-speculators"]) - 2}[fmt]
+                                # no d2t/t2d; plus input_norm, on in conf/head/eagle3.yaml (EAGLE 3.1 norm_before_fc)
+                                "eagle3": len(EXPECTED["eagle3"]) - 2 + 1,
+                                "eagle3-speculators": len(EXPECTED["eagle3-speculators"]) - 2 + 1}[fmt]
 
     back = load_export(out, target=target)
     for name, value in head.state_dict().items():
