@@ -43,7 +43,14 @@ def parse_args(argv=None):
 
 
 def overrides(text: str) -> list[str]:
-    return [o for o in text.split(",") if o]
+    """Split `a=1,b=[0.9,0.999]` at the commas outside brackets: a list value stays one override."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text + ","):
+        depth += (ch in "[{") - (ch in "]}")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [o for o in parts if o]
 
 
 def cpu_minutes_of(cmd: list[str], log: Path) -> float:

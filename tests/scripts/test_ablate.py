@@ -35,3 +35,8 @@ def test_a_variant_without_the_value_is_one_clear_error(ablate, tmp_path):
     table = [row("base", "-", 1.5, 1.4)]
     with pytest.raises(SystemExit, match="variant base does not set data.max_conversations"):
         ablate.plot_curve(table, "data.max_conversations", ["chat"], tmp_path)
+
+
+def test_a_list_value_stays_one_override(ablate):
+    assert ablate.overrides("optim.lr=1e-3,optim.betas=[0.9,0.999],,optim=muon") == [
+        "optim.lr=1e-3", "optim.betas=[0.9,0.999]", "optim=muon"]
