@@ -275,6 +275,25 @@ def _load_pretrained(spec: TargetSpec, dtype: torch.dtype):
     return model, tokenizer
 
 
+def save_target_folder(target: Target, folder: Path) -> None:
+    """Save a loaded target as a plain HF folder (what vLLM and other engines load), written to a temp folder
+    and renamed. A GGUF-loaded model refuses save_pretrained: its weights go into a plain model first."""
+    import copy
+    import os
+    import tempfile
+
+    config = copy.deepcopy(target.config)
+    config.__dict__.pop("quantization_config", None)
+    model = type(target.model)(config)
+    model.load_state_dict(target.model.state_dict())
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    model.save_pretrained(tmp)
+    target.tokenizer.save_pretrained(tmp)
+    os.replace(tmp, folder)
+
+
 def target_identity(target: Target) -> dict:
     """What makes two loaded targets the same for training: name, revision, architecture and a fingerprint of
     the weights (a different seed or fine-tune under the same name differs there)."""

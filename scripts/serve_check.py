@@ -116,31 +116,16 @@ def venv_versions(python: Path, packages: list[str]) -> dict:
 # ---------------------------------------------------------------------------------------- targets
 
 def save_tiny_target(folder: Path) -> None:
-    from headway.heads.target import build_tiny_random
+    from headway.heads.target import TargetSpec, load_target, save_target_folder
 
-    model, tokenizer = build_tiny_random(seed=0, overrides=TINY_HD32)
-    save_folder(model, tokenizer, folder)
+    save_target_folder(load_target(TargetSpec(name="tiny-hd32", path="tiny-random", tiny=TINY_HD32)), folder)
 
 
 def save_smollm2_target(folder: Path) -> None:
     """SmolLM2-135M-Instruct from the GGUF that heads.target fetches, dequantised to fp32."""
-    from headway.heads.target import load_target
+    from headway.heads.target import load_target, save_target_folder
 
-    import copy
-
-    target = load_target({"path": "embedded:smollm2", "name": "smollm2-135m", "dtype": "float32"})
-    config = copy.deepcopy(target.config)  # a GGUF-loaded model refuses save_pretrained: copy it into a plain one
-    config.__dict__.pop("quantization_config", None)
-    model = type(target.model)(config)
-    model.load_state_dict(target.model.state_dict())
-    save_folder(model, target.tokenizer, folder)
-
-
-def save_folder(model, tokenizer, folder: Path) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, folder)
+    save_target_folder(load_target({"path": "embedded:smollm2", "name": "smollm2-135m", "dtype": "float32"}), folder)
 
 
 TARGETS = {"tiny-hd32": save_tiny_target, "smollm2-135m": save_smollm2_target}

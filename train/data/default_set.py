@@ -25,10 +25,11 @@ from pathlib import Path
 from headway.heads.files import swap_in, write_json_atomic, write_text_atomic
 from headway.heads.target import cache_root
 from headway.train.data.config import DataError, RegenConfig
-from headway.train.data.regenerate import (GenerationSettings, JsonlSink, ProgressBar, done_ids, prompt_rows, regenerate,
-                                   stop_token_ids, unwritable)
+from headway.train.data.regenerate import (HOW_NOT_WHAT, GenerationSettings, JsonlSink, ProgressBar, done_ids,
+                                           prompt_rows, regenerate, stop_token_ids, unwritable)
 from headway.train.data.self_prompts import SelfPromptSettings, candidate_rows, select_prompts, write_candidates
 from headway.train.data.stdlib_prompts import stdlib_coding_prompts
+from headway.train.data.vllm_decode import open_decoder
 
 WRITTEN_PROMPTS = Path(__file__).parent / "builtin" / "default_prompts.jsonl"
 NUM_STDLIB_PROMPTS = 100
@@ -47,7 +48,8 @@ def default_prompts(num_prompts: int | None = None) -> list[dict]:
 def settings_of(regen: RegenConfig) -> GenerationSettings:
     return GenerationSettings(max_new_tokens=regen.max_new_tokens, temperature=regen.temperature,
                               top_p=regen.top_p, sampled_fraction=regen.sampled_fraction,
-                              batch_size=regen.batch_size, seed=regen.seed)
+                              batch_size=regen.batch_size, seed=regen.seed, backend=regen.backend,
+                              vllm_python=regen.vllm_python)
 
 
 def self_prompt_settings(regen: RegenConfig) -> SelfPromptSettings:
@@ -59,7 +61,7 @@ def self_prompt_settings(regen: RegenConfig) -> SelfPromptSettings:
 
 def default_dataset_path(regen: RegenConfig, prompts: list[dict]) -> Path:
     """Keyed by everything that changes the conversations (not batch size)."""
-    skip = {"batch_size"}
+    skip = set(HOW_NOT_WHAT)
     key = {"prompts": [(p["id"], p["prompt"]) for p in prompts], "target": regen.target,
            "settings": {k: v for k, v in asdict(settings_of(regen)).items() if k not in skip}}
     if regen.self_prompts:  # key of a default set without self-written prompts unchanged
@@ -103,12 +105,17 @@ def build_default_dataset(regen: RegenConfig, prompts: list[dict], final: Path, 
     partial = final.with_name(final.name + ".partial")
     started = time.perf_counter()
     target, capture = generating_target(regen, device, capture)
-    own = self_written_prompts(regen, target, prompts, final)
+    with open_decoder(settings_of(regen), target, [final] if not final.is_file() else []) as decoder:
+        return _build(regen, prompts, final, partial, started, target, capture, decoder)
+
+
+def _build(regen, prompts, final, partial, started, target, capture, decoder) -> dict:
+    own = self_written_prompts(regen, target, prompts, final, decoder)
     rows, _ = prompt_rows(prompts + own)
     log.info("building the default dataset (%d prompts, %d self-written, answered by %s, once) into %s%s",
              len(rows), len(own), regen.target_name, final,
-             f", hidden states into {capture.directory}" if capture else "")
-    stats = regenerate(rows, target, partial, settings_of(regen), capture=capture)
+             f", hidden states into {capture.directory}" if capture and not decoder else "")
+    stats = regenerate(rows, target, partial, settings_of(regen), capture=capture, decoder=decoder)
     if done_ids(partial) != {r["id"] for r in rows}:
         raise DataError(f"default dataset build incomplete in {partial}: run again to resume")
     stats.update(conversations=len(rows), self_written=len(own), seconds=round(time.perf_counter() - started, 1),
@@ -122,7 +129,7 @@ def build_default_dataset(regen: RegenConfig, prompts: list[dict], final: Path, 
     return stats
 
 
-def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: Path) -> list[dict]:
+def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: Path, decoder=None) -> list[dict]:
     """The target's own prompts, filtered and balanced (cached next to the dataset; resumable)."""
     settings = self_prompt_settings(regen)
     if settings.per_category <= 0:
@@ -136,7 +143,7 @@ def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: P
     rows = candidate_rows(settings)
     todo = [r for r in rows if r["id"] not in sink.done]
     bar = ProgressBar(len(rows), len(rows) - len(todo), "writing prompts", True)
-    for batch, tokens in write_candidates(target, todo, settings, stop_token_ids(target.tokenizer)):
+    for batch, tokens in write_candidates(target, todo, settings, stop_token_ids(target.tokenizer), decoder):
         sink.write(batch)
         bar.update(len(batch), tokens)
     bar.close()

