@@ -25,6 +25,8 @@ states [A*h] before fc (the target's layers differ in scale by orders of magnitu
 makes hidden_norm(g) rather than g the residual; `norm_output` feeds norm(o_t) (not o_t) to the next step, so
 lm_head reads it directly.
 
+`train_lm_head=false` keeps `lm_head` at the target's rows (frozen), as speculators trains it.
+
 Parameter names follow the EAGLE-3 serving layout: `fc`, `midlayer.{input_layernorm, hidden_norm,
 post_attention_layernorm, self_attn.*, mlp.*}`, `norm`, `lm_head`, `d2t`, `t2d` (no embedding).
 """
@@ -40,8 +42,9 @@ from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_laye
                           rotary, shift_left, unrolled_accuracy)
 
 DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4,
-                init_layer="random", norm_before_fc=False, norm_before_residual=False, norm_output=False)
-NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
+                init_layer="random", norm_before_fc=False, norm_before_residual=False, norm_output=False,
+                train_lm_head=True)
+FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output", "train_lm_head")
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -57,7 +60,7 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
     def __init__(self, target_config, **options):
         opts = resolve_options("eagle3", DEFAULTS, options, {"init_layer": INIT_LAYER})
         positive_int("eagle3", opts, "draft_vocab_size", "ttt_steps", "eval_depths")
-        for flag in NORM_FLAGS:
+        for flag in FLAGS:
             require(isinstance(opts[flag], bool), f"head 'eagle3': {flag} must be true or false, got {opts[flag]!r}")
         N, h, V = target_config.num_hidden_layers, target_config.hidden_size, target_config.vocab_size
         aux = opts["aux_layers"]
@@ -79,6 +82,9 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         if opts["norm_before_fc"]:  # made after the layers so the default head's random init is unchanged
             self.input_norm = new_rms_norm(self.midlayer, target_config, len(aux) * h)
         self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+        # frozen: the read-out stays the target's own rows, so the drafter must land in the target's
+        # final-hidden space (speculators trains it so)
+        self.lm_head.weight.requires_grad_(opts["train_lm_head"])
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(V) < self.draft_vocab_size)
 

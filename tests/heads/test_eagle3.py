@@ -70,3 +70,16 @@ def test_eagle31_norms_draft_with_the_cache_what_training_computes(target, batch
 def test_eagle31_flags_must_be_booleans(target):
     with pytest.raises(HeadError, match="norm_output must be true or false"):
         make_head("eagle3", target, norm_output="yes")
+
+
+@pytest.mark.parametrize("train_lm_head", [True, False])
+def test_a_frozen_read_out_stays_the_targets_rows(target, batch, train_lm_head):
+    head = make_head("eagle3", target, seed=4, draft_vocab_size=VD, train_lm_head=train_lm_head)
+    head.init_from_data(torch.arange(target.config.vocab_size))
+    rows = target.model.lm_head.weight[head.draft_ids]
+    fc = head.fc.weight.detach().clone()
+    train_briefly(head.train(), batch, features(head, target, batch), steps=3)
+    assert torch.equal(head.lm_head.weight, rows) != train_lm_head
+    assert not torch.equal(head.fc.weight, fc)  # the rest learns either way
+    with pytest.raises(HeadError, match="train_lm_head must be true or false"):
+        make_head("eagle3", target, train_lm_head="no")
