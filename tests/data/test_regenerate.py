@@ -85,6 +85,11 @@ def test_prepare_data_bad_input_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="output=<file.jsonl> is required"):
         script.prepare(cfg)
     assert not (tmp_path / "o.jsonl").exists()
+    cfg.output = str(tmp_path / "o.jsonl")
+    cfg.generation.backend = "tensorrt"
+    with pytest.raises(DataError, match="generation.backend='tensorrt': use one of hf, vllm, auto"):
+        script.prepare(cfg)
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_prepare_data_builds_the_default_set_with_its_cache(tmp_path):

@@ -98,3 +98,10 @@ def test_vllm_writes_the_rows_the_hf_path_writes(tiny_hd32, tmp_path):
     texts = [(tmp_path / f"s{k}.jsonl").read_text() for k in range(2)]
     assert runs[0]["sampled"] == len(rows) and texts[0] == texts[1]  # seeded: reproducible
     assert texts[0] != (tmp_path / "vllm.jsonl").read_text()
+
+
+def test_an_unwritable_cache_is_one_error_line(tiny_hd32, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "file" / "cache"))  # fails for root too
+    with pytest.raises(DataError, match="cannot write .*hf-targets.*free some space"):
+        model_folder(tiny_hd32)

@@ -64,7 +64,12 @@ def model_folder(target) -> str:
     folder = cache_root() / "hf-targets" / f"{spec.name}-{weights_fingerprint(target.model)[:12]}"
     if not (folder / "config.json").is_file():
         log.info("saving %s as an HF folder for vLLM (once): %s", spec.name, folder)
-        save_target_folder(target, folder)
+        try:
+            save_target_folder(target, folder)
+        except OSError as exc:
+            from headway.train.data.regenerate import unwritable
+
+            raise unwritable(folder, exc) from None
     return str(folder)
 
 
