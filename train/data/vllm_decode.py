@@ -67,9 +67,8 @@ def model_folder(target) -> str:
         try:
             save_target_folder(target, folder)
         except OSError as exc:
-            from headway.train.data.regenerate import unwritable
-
-            raise unwritable(folder, exc) from None
+            raise DataError(f"cannot write {folder}: {exc.strerror or exc}; free some space or point "
+                            f"HEADWAY_CACHE at a writable folder, then run again") from None
     return str(folder)
 
 
