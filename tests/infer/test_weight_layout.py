@@ -32,6 +32,15 @@ def logits_of(model, ids):
         return model(input_ids=ids).logits
 
 
+def apply_keeping_logits(model, layout: str):
+    """Apply `layout`, check the logits did not change; -> (ids, the stock logits) for later checks."""
+    ids = torch.randint(3, 256, (2, 11), generator=torch.Generator().manual_seed(0))
+    reference = logits_of(model, ids)
+    assert apply_layout(model, layout) == layout and current_layout(model) == layout
+    torch.testing.assert_close(logits_of(model, ids), reference, rtol=1e-5, atol=1e-5)
+    return ids, reference
+
+
 def test_wide_column_keeps_values_and_outputs(target):
     model = target.model
     ids = torch.randint(3, 256, (2, 11), generator=torch.Generator().manual_seed(0))
@@ -156,10 +165,7 @@ def test_packed_linear_equals_the_stock_one_for_any_row_count(rows):
 
 def test_packed_keeps_outputs_and_its_packs_across_a_stock_interlude(target):
     model = target.model
-    ids = torch.randint(3, 256, (2, 11), generator=torch.Generator().manual_seed(0))
-    reference = logits_of(model, ids)
-    assert apply_layout(model, "packed") == "packed" and current_layout(model) == "packed"
-    torch.testing.assert_close(logits_of(model, ids), reference, rtol=1e-5, atol=1e-5)
+    ids, reference = apply_keeping_logits(model, "packed")
     packs = {id(l): dict(l.packed_weights) for l in weight_layout._linears(model)}
     assert all(packs.values())  # 22 rows: the 32-row bucket was packed
     with stock_layout(model):
@@ -281,10 +287,7 @@ def test_panel_layout_keeps_outputs_and_survives_copy_and_pickle(target):
     import io
 
     model = target.model
-    ids = torch.randint(3, 256, (2, 11), generator=torch.Generator().manual_seed(0))
-    reference = logits_of(model, ids)
-    assert apply_layout(model, "panel") == "panel" and current_layout(model) == "panel"
-    torch.testing.assert_close(logits_of(model, ids), reference, rtol=1e-5, atol=1e-5)
+    ids, reference = apply_keeping_logits(model, "panel")
     with stock_layout(model):
         assert current_layout(model) == "stock"
     assert current_layout(model) == "panel"

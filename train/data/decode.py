@@ -46,6 +46,16 @@ def decode(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[
     return _Decoder(model, prompts, max_new_tokens, stop_ids, pad_id, temperature, top_p, generator, tap).run()
 
 
+def decode_with(target, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], temperature: float,
+                top_p: float, seed: int, tap: Tap | None = None, decoder=None) -> Decoded:
+    """decode() on the target here, or on `decoder` (train.data.vllm_decode.VllmDecoder: no tap; one seed
+    per row, since vLLM samples each request on its own generator)."""
+    if decoder is not None:
+        return decoder(prompts, max_new_tokens, stop_ids, temperature, top_p, [seed + i for i in range(len(prompts))])
+    return decode(target.model, prompts, max_new_tokens, stop_ids, target.tokenizer.pad_token_id, temperature,
+                  top_p, torch.Generator().manual_seed(seed), tap)
+
+
 class _Decoder:
     def __init__(self, model, prompts, max_new, stop_ids, pad_id, temperature, top_p, generator, tap):
         from transformers import DynamicCache

@@ -149,18 +149,14 @@ def generate_replies(target, conversations: list[list[dict]], settings: Generati
     """One reply per conversation (each ends with a user turn) -> [(text, finished before the limit,
     tokens generated incl. the end-of-turn token)]; greedy unless `sampled` and temperature > 0.
     decoder: a train.data.vllm_decode.VllmDecoder (no tap), else the target decodes here."""
-    from headway.train.data.decode import decode
+    from headway.train.data.decode import decode_with
 
     tok = target.tokenizer
     texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     temperature = settings.temperature if sampled else 0.0
-    if decoder is not None:  # one seed per row: vLLM samples each request on its own generator
-        out = decoder(prompts, settings.max_new_tokens, stop_token_ids(tok), temperature, settings.top_p,
-                      [seed + i for i in range(len(prompts))])
-    else:
-        out = decode(target.model, prompts, settings.max_new_tokens, stop_token_ids(tok), tok.pad_token_id,
-                     temperature, settings.top_p, torch.Generator().manual_seed(seed), tap)
+    out = decode_with(target, prompts, settings.max_new_tokens, stop_token_ids(tok), temperature, settings.top_p,
+                      seed, tap, decoder)
     replies = tok.batch_decode(out.tokens, skip_special_tokens=True)
     return [(r.strip(), f, len(t)) for r, f, t in zip(replies, out.finished, out.tokens)]
 

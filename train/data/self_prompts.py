@@ -64,7 +64,7 @@ def candidate_rows(settings: SelfPromptSettings) -> list[dict]:
 def write_candidates(target, todo: list[dict], settings: SelfPromptSettings, stop_ids: list[int], decoder=None):
     """Yield (rows with "prompt" and "finished", tokens written) one batch at a time; a batch holds one
     category, so its prompt prefix is computed once for all rows. decoder: a VllmDecoder (else HF here)."""
-    from headway.train.data.decode import decode
+    from headway.train.data.decode import decode_with
 
     tok = target.tokenizer
     for cat, hint in CATEGORIES.items():
@@ -73,13 +73,8 @@ def write_candidates(target, todo: list[dict], settings: SelfPromptSettings, sto
         for start in range(0, len(rows), settings.batch_size):
             chunk = rows[start:start + settings.batch_size]
             seed = settings.seed * 1_000_003 + zlib.crc32("|".join(r["id"] for r in chunk).encode())
-            if decoder is not None:  # one seed per row: vLLM samples each request on its own generator
-                out = decoder([prefix] * len(chunk), settings.max_new_tokens, stop_ids, settings.temperature,
-                              settings.top_p, [seed + i for i in range(len(chunk))])
-            else:
-                out = decode(target.model, [prefix] * len(chunk), settings.max_new_tokens, stop_ids,
-                             tok.pad_token_id, settings.temperature, settings.top_p,
-                             torch.Generator().manual_seed(seed))
+            out = decode_with(target, [prefix] * len(chunk), settings.max_new_tokens, stop_ids,
+                              settings.temperature, settings.top_p, seed, decoder=decoder)
             written = [dict(r, prompt=tok.decode(ids, skip_special_tokens=True).strip(), finished=fin, source="self")
                        for r, ids, fin in zip(chunk, out.tokens, out.finished)]
             yield written, sum(len(t) for t in out.tokens)
