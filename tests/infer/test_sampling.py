@@ -68,6 +68,20 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     torch.testing.assert_close(warp_probs(logits, 1.0, top_p=0.75)[:2], torch.tensor([0.625, 0.375]))
 
 
+@pytest.mark.parametrize("scale,top_p", [(3.0, 0.9), (8.0, 0.5), (0.3, 0.95), (3.0, 0.999)])
+def test_top_p_on_candidates_equals_the_full_sort(scale, top_p):
+    """The partial-sort nucleus keeps exactly the tokens the full stable sort keeps, ties at the boundary
+    included (logits rounded to one decimal: many ties), whether a row is decided on the candidates
+    (peaked rows) or falls back to the full sort (flat rows)."""
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 16, 4096) * scale).round(decimals=1)  # V > 2 * candidates
+    probs = logits.softmax(-1)
+    full = sampling._top_p_sorted(logits.view(-1, 4096), probs.view(-1, 4096), top_p).view(probs.shape)
+    assert torch.equal(warp_probs(logits, 1.0, top_p=top_p), full)
+    _, decided = sampling._top_p_candidates(probs.view(-1, 4096), top_p, sampling._TOP_P_CANDIDATES)
+    assert bool(decided.all()) == (scale >= 3.0 and top_p < 0.99)  # both paths are exercised
+
+
 def test_order_is_temperature_then_top_k_then_top_p():
     logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
     # top-p on the renormalised top-2 ([0.57, 0.43]) keeps one token; on the raw probs it would keep two
