@@ -88,3 +88,30 @@ def test_one_shared_prompt_is_prefilled_once_with_the_same_result(target, prompt
 
     assert run([prompts[2]] * 3, 0.0) == run([prompts[2]], 0.0) * 3  # one row: no sharing
     assert len({tuple(t) for t in run([prompts[2]] * 4, 1.0)}) > 1  # rows sample on their own
+
+
+def test_growing_cache_layer_holds_what_dynamic_cache_holds():
+    """Appends past the buffer's room (it grows), rows dropped and rows repeated: the same keys and values
+    as transformers' DynamicLayer, step by step."""
+    from transformers.cache_utils import DynamicLayer
+
+    from headway.train.data.decode import GROWTH, GrowingLayer
+
+    torch.manual_seed(0)
+    mine, reference = GrowingLayer(), DynamicLayer()
+
+    def both(*op):
+        for layer in (mine, reference):
+            out = getattr(layer, op[0])(*op[1:])
+        return out
+
+    both("update", torch.randn(4, 2, 5, 3), torch.randn(4, 2, 5, 3))
+    for step in range(GROWTH + 10):
+        k, v = torch.randn(4 if step < 20 else 2, 2, 1, 3), torch.randn(4 if step < 20 else 2, 2, 1, 3)
+        if step == 20:
+            both("batch_select_indices", torch.tensor([3, 1]))
+        got = mine.update(k, v)
+        want = reference.update(k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    both("batch_repeat_interleave", 3)
+    assert torch.equal(mine.keys, reference.keys) and mine.get_seq_length() == 5 + GROWTH + 10
