@@ -86,6 +86,7 @@ class TrainConfig:
     resume: Optional[str] = None  # null | latest (newest checkpoint of this run dir) | a checkpoint or run dir
     device: str = "auto"  # auto (GPU when present) | cpu
     precision: str = "auto"  # mixed precision: auto (bf16 on GPU, none on CPU) | no | bf16 | fp16
+    cpu_threads: str = "auto"  # on CPU: auto (physical cores / local processes) | N threads per process
     output_dir: str = MISSING  # the run dir; conf/train.yaml sets it to Hydra's output dir
 
 
@@ -129,6 +130,7 @@ RULES = [
     ("logger.kind", lambda v: v in LOGGERS, f"one of {', '.join(LOGGERS)}"),
     ("device", lambda v: v in DEVICES, f"one of {', '.join(DEVICES)}"),
     ("precision", lambda v: v in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
+    ("cpu_threads", lambda v: str(v) == "auto" or (str(v).isdigit() and int(v) >= 1), "auto or a whole number >= 1"),
 ]
 
 

@@ -35,6 +35,7 @@ from headway.train.data import build_datasets, collate_fn, make_feature_source, 
 from headway.train.data.batching import LengthGroupedBatches, example_lengths
 from headway.train.data.capture import capture_plan
 from headway.train.metrics import MetricsLog
+from headway.train.threads import use_cpu_threads
 
 log = get_logger(__name__)
 
@@ -117,7 +118,7 @@ def make_accelerator(cfg: DictConfig) -> Accelerator:
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     cpu = cfg.device == "cpu" or (not on_gpu and not deepspeed)
     gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and not on_gpu else []
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=precision,
         # the loop counts micro-steps itself: never let an epoch boundary force an early optimizer step
@@ -128,6 +129,9 @@ def make_accelerator(cfg: DictConfig) -> Accelerator:
         log_with="wandb" if cfg.logger.kind == "wandb" else None,
         kwargs_handlers=gloo,
     )
+    if not on_gpu:  # after Accelerator(), which may set its own count
+        log.info(f"CPU threads per process: {use_cpu_threads(cfg.cpu_threads)}")
+    return accelerator
 
 
 def shared_run_dir(accelerator: Accelerator, output_dir: str) -> Path:

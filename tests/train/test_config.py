@@ -92,6 +92,8 @@ def test_a_wrong_type_fails_at_compose_time():
     ("optim.betas=[0.9,1.5]", "optim.betas"),
     ("optim.schedule=exponential", "optim.schedule"),
     ("precision=fp8", "precision"),
+    ("cpu_threads=0", "cpu_threads"),
+    ("cpu_threads=many", "cpu_threads"),
 ])
 def test_a_bad_value_fails_with_one_line_naming_the_key(override, key):
     with pytest.raises(ConfigError) as err:
