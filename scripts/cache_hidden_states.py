@@ -115,6 +115,10 @@ def build(cfg) -> dict:
     device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else \
         ("cpu" if cfg.device == "auto" else cfg.device)
     rank, world, barrier = distributed(device)
+    if device == "cpu":  # accelerate launch would leave one thread per process
+        from headway.train.threads import use_cpu_threads
+
+        use_cpu_threads(cfg.cpu_threads)
     if device == "cuda" and world > 1:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
     target = load_target(OmegaConf.to_container(cfg.target, resolve=True), device=device)
