@@ -7,7 +7,6 @@ absolute times), print one table, and end with one line stating the headline rat
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
