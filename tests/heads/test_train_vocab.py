@@ -38,7 +38,8 @@ def test_eagle_loss_is_the_renormalised_kl_on_the_kept_rows(target, batch):
     """Independent path: full-vocabulary logits of head and target, then keep the columns of the ids."""
     V = target.config.vocab_size
     keep = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:37]
-    head = make_head("eagle", target, train_vocab=37, noise=0.0, feature_weight=0.0, token_weight=1.0)
+    head = make_head("eagle", target, train_vocab=37, noise=0.0, feature_weight=0.0, token_weight=1.0,
+                     ttt_steps=1)  # one step: the loss below is that step's
     head.init_from_data(counts_favouring(keep, V))
     assert torch.equal(head.train_ids, keep.sort().values)
     out = loss_of(head, target, batch)
