@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
+from headway.heads.sampling import argmax, sample, warp_probs
+
 GROWTH = 64  # tokens of room a cache buffer gains at least when it grows
 MAX_TAIL = 8  # tokens teacher-forced after a row stops (stop token + template glue: 1-3 in practice)
 
@@ -190,8 +192,6 @@ class _Decoder:
         return logits
 
     def pick(self, logits: Tensor) -> Tensor:  # [A, V] -> [A]
-        from headway.heads.sampling import argmax, sample, warp_probs
-
         if self.temperature == 0:
             return argmax(logits).cpu()
 
