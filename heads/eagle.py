@@ -8,7 +8,8 @@ feature back in: `draft_expand` at depth d runs at position m - 1 + d on its par
 
 Loss: feature_weight x SmoothL1(f^_{t+1}, f_{t+1}) + token_weight x soft CE to the target's distribution of
 x_{t+2} (reported as KL: the soft CE minus the target's entropy), with uniform noise U(-noise/2, noise/2) added to the input features while training (EAGLE's
-"std 0.2" uniform noise). `ttt_steps` > 1 also trains on its own predicted features (EAGLE-3-style training-
+"std 0.2" uniform noise), plus top_k_weight x the soft CE over the target's `top_k` most probable tokens
+(HASS; 0: off). `ttt_steps` > 1 also trains on its own predicted features (EAGLE-3-style training-
 time test, step weights 0.8^i); EAGLE-1 uses 1.
 
 Depth accuracies: in eval mode the forward unrolls `eval_depths` steps open-loop on its own predicted
@@ -27,18 +28,19 @@ from torch import Tensor, nn
 from headway.heads.base import DraftHead, TargetFeatures, register_head
 from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, head_loss, kl_to_target,
                           masked_mean, new_decoder_layer, positive_int, require, resolve_options, rotary,
-                          shift_left, unrolled_accuracy)
+                          shift_left, top_k_cross_entropy, unrolled_accuracy)
 
 DEFAULTS = dict(feature_weight=1.0, token_weight=0.1, noise=0.2, ttt_steps=1, step_decay=0.8, eval_depths=4,
-                train_vocab=None, init_layer="random")
+                train_vocab=None, init_layer="random", top_k_weight=0.0, top_k=10)
 
 
 @register_head("eagle")
 class EagleHead(OneLayerDrafting, DraftHead):
     def __init__(self, target_config, **options):
         opts = resolve_options("eagle", DEFAULTS, options, {"init_layer": INIT_LAYER})
-        positive_int("eagle", opts, "ttt_steps", "eval_depths")
+        positive_int("eagle", opts, "ttt_steps", "eval_depths", "top_k")
         require(opts["noise"] >= 0, f"head 'eagle': noise must be >= 0, got {opts['noise']}")
+        require(opts["top_k_weight"] >= 0, f"head 'eagle': top_k_weight must be >= 0, got {opts['top_k_weight']}")
         super().__init__(target_config, **opts)
         h = target_config.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=False)
@@ -89,7 +91,11 @@ class EagleHead(OneLayerDrafting, DraftHead):
             scored = shift_left(loss_mask.bool(), 2, fill=False) & (t >= j)  # x_{t+2} is learnt, anchor >= 0
             feat_loss = masked_mean(F.smooth_l1_loss(out.float(), f_next.float(), reduction="none").mean(-1), scored)
             token_loss = masked_mean(kl_to_target(logits, p_next), scored)
-            loss = loss + o["step_decay"] ** j * (o["feature_weight"] * feat_loss + o["token_weight"] * token_loss)
+            step_loss = o["feature_weight"] * feat_loss + o["token_weight"] * token_loss
+            if o["top_k_weight"]:
+                top_k_loss = masked_mean(top_k_cross_entropy(logits, p_next, o["top_k"]), scored)
+                step_loss = step_loss + o["top_k_weight"] * top_k_loss
+            loss = loss + o["step_decay"] ** j * step_loss
             metrics[f"feature_loss{j}"], metrics[f"token_loss{j}"] = feat_loss.detach(), token_loss.detach()
         correct, count = unrolled_accuracy(preds, self.num_depths, input_ids, loss_mask)
         return head_loss(loss, correct, count, **metrics)

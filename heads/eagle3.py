@@ -16,7 +16,9 @@ return logits over the *target* vocabulary (-inf outside the draft vocabulary).
 Training-time test: the drafter is unrolled `ttt_steps` times on its own outputs (step j at position t reads
 the output of step j-1 at t-1 and sees the true context up to its anchor plus its chain ancestors: exactly
 what tree drafting sees), loss = sum_j step_decay^j x soft CE to the target's distribution restricted to the
-draft vocabulary (renormalised; reported as KL). Anchors use 3 to 7 steps; 3 keeps CPU runs cheap. The per-step (chain-
+draft vocabulary (renormalised; reported as KL), plus top_k_weight x the soft CE over the target's `top_k` most
+probable tokens (HASS; 0: off), plus feature_weight x SmoothL1 between what lm_head reads and the target's
+final-normed hidden state it should match (EAGLE-1's feature regression; 0: off). Anchors use 3 to 7 steps; 3 keeps CPU runs cheap. The per-step (chain-
 conditional) accuracies are the depth accuracies; eval mode unrolls max(ttt_steps, eval_depths) steps.
 
 Three optional norms (the "EAGLE 3.1" variants that speculators trains by default and vLLM serves, each a
@@ -34,16 +36,17 @@ post_attention_layernorm, self_attn.*, mlp.*}`, `norm`, `lm_head`, `d2t`, `t2d` 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from headway.heads.base import DraftHead, TargetFeatures, check_layer_ids, most_frequent, register_head
 from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, head_loss, kl_to_target,
                           masked_mean, new_decoder_layer, new_rms_norm, positive_int, require, resolve_options,
-                          rotary, shift_left, unrolled_accuracy)
+                          rotary, shift_left, top_k_cross_entropy, unrolled_accuracy)
 
 DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4,
                 init_layer="random", norm_before_fc=False, norm_before_residual=False, norm_output=False,
-                train_lm_head=True)
+                train_lm_head=True, top_k_weight=0.0, top_k=10, feature_weight=0.0)
 FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output", "train_lm_head")
 
 
@@ -59,7 +62,9 @@ def default_aux_layers(num_layers: int) -> list[int]:
 class Eagle3Head(OneLayerDrafting, DraftHead):
     def __init__(self, target_config, **options):
         opts = resolve_options("eagle3", DEFAULTS, options, {"init_layer": INIT_LAYER})
-        positive_int("eagle3", opts, "draft_vocab_size", "ttt_steps", "eval_depths")
+        positive_int("eagle3", opts, "draft_vocab_size", "ttt_steps", "eval_depths", "top_k")
+        for weight in ("top_k_weight", "feature_weight"):
+            require(opts[weight] >= 0, f"head 'eagle3': {weight} must be >= 0, got {opts[weight]}")
         for flag in FLAGS:
             require(isinstance(opts[flag], bool), f"head 'eagle3': {flag} must be true or false, got {opts[flag]!r}")
         N, h, V = target_config.num_hidden_layers, target_config.hidden_size, target_config.vocab_size
@@ -168,6 +173,7 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         steps = trained if self.training else self.num_depths
         outs = self.unroll(input_ids, self.fuse(feats), steps)  # [B, T, h] per step, query t drafts x_{t+2}
         p_next = shift_left(self.target_train_logits(feats), 1)  # target's x_{t+2} logits on the draft vocab
+        f_next = shift_left(feats.last_hidden, 1)  # [B, T, h] what the target's lm_head reads for x_{t+2}
         t = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         loss, preds, metrics = 0.0, [], {}
         for j, out in enumerate(outs):
@@ -177,8 +183,15 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
                 continue
             scored = shift_left(loss_mask.bool(), 2, fill=False) & (t >= j)
             step_loss = masked_mean(kl_to_target(logits, p_next), scored)
-            loss = loss + o["step_decay"] ** j * step_loss
             metrics[f"loss_step{j}"] = step_loss.detach()
+            if o["top_k_weight"]:
+                top_k_loss = masked_mean(top_k_cross_entropy(logits, p_next, o["top_k"]), scored)
+                step_loss = step_loss + o["top_k_weight"] * top_k_loss
+            if o["feature_weight"]:  # EAGLE-1's regression, on what lm_head reads: a dense signal per token
+                feat = F.smooth_l1_loss(self.readout_input(out).float(), f_next.float(), reduction="none").mean(-1)
+                metrics[f"feature_loss{j}"] = masked_mean(feat, scored).detach()
+                step_loss = step_loss + o["feature_weight"] * masked_mean(feat, scored)
+            loss = loss + o["step_decay"] ** j * step_loss
         correct, count = unrolled_accuracy(preds, self.num_depths, input_ids, loss_mask)
         return head_loss(loss, correct, count, **metrics)
 

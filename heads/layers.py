@@ -349,6 +349,18 @@ def kl_to_target(logits: Tensor, target_logits: Tensor) -> Tensor:
     return terms.masked_fill(~support, 0.0).sum(-1)
 
 
+def top_k_cross_entropy(logits: Tensor, target_logits: Tensor, k: int) -> Tensor:
+    """-sum over the target's k most probable tokens of p log q, per position, [..., V] -> [...] (fp32).
+    The soft cross-entropy restricted to the head of the target's distribution (HASS's "harmonized objective
+    distillation"): added to the full one, it weighs the tokens a draft tree can actually propose (its top
+    few) more than the tail. Tokens with p = 0 (-inf target logits) add nothing."""
+    log_p = target_logits.float().log_softmax(-1)
+    top_log_p, top_ids = log_p.topk(min(k, log_p.shape[-1]), dim=-1)  # [..., k]
+    p = top_log_p.exp().nan_to_num(0.0)  # a row without a finite target logit: p = 0
+    log_q = logits.float().log_softmax(-1).gather(-1, top_ids)  # [..., k]
+    return -torch.where(p > 0, p * log_q, torch.zeros_like(log_q)).sum(-1)
+
+
 def head_loss(loss: Tensor, correct: Tensor, count: Tensor, **metrics: Tensor) -> HeadLoss:
     return HeadLoss(loss, correct.detach(), count.detach(), {k: float(v) for k, v in metrics.items()})
 

@@ -103,3 +103,40 @@ def test_init_layer_last_starts_from_the_targets_last_decoder_layer(kind, layer,
     assert torch.equal(q[:, -last["self_attn.q_proj.weight"].shape[1]:], last["self_attn.q_proj.weight"])
     fresh = make_head(kind, target, init_layer="random")
     assert not torch.equal(dict(fresh.named_parameters())[f"{layer}.mlp.down_proj.weight"], mlp)
+
+
+def test_top_k_cross_entropy_is_the_soft_ce_over_the_targets_top_k():
+    from headway.heads.layers import top_k_cross_entropy
+
+    torch.manual_seed(0)
+    q, p = torch.randn(2, 3, 9), torch.randn(2, 3, 9)
+    log_q, log_p = q.log_softmax(-1), p.log_softmax(-1)
+    full = -(log_p.exp() * log_q).sum(-1)
+    torch.testing.assert_close(top_k_cross_entropy(q, p, 9), full)  # k = V: the whole soft CE
+    top = log_p.topk(2, -1)
+    expected = -(top.values.exp() * log_q.gather(-1, top.indices)).sum(-1)
+    torch.testing.assert_close(top_k_cross_entropy(q, p, 2), expected)  # only the target's two likeliest tokens
+    p[0, 0] = float("-inf")  # no support in that row: adds 0, and no NaN
+    q.requires_grad_(True)
+    loss = top_k_cross_entropy(q, p, 2)
+    assert loss[0, 0] == 0
+    loss.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_top_k_weight_adds_the_top_k_loss(kind, target, batch):
+    torch.manual_seed(0)
+    plain = loss_of(make_head(kind, target, ttt_steps=1), target, batch)
+    torch.manual_seed(0)
+    weighted = loss_of(make_head(kind, target, ttt_steps=1, top_k_weight=1.0, top_k=4), target, batch)
+    assert weighted.loss > plain.loss  # a soft CE is > 0, so the weighted loss is strictly larger
+
+
+def test_eagle3_feature_weight_adds_the_feature_regression(target, batch):
+    torch.manual_seed(0)
+    plain = loss_of(make_head("eagle3", target, ttt_steps=1), target, batch)
+    torch.manual_seed(0)
+    weighted = loss_of(make_head("eagle3", target, ttt_steps=1, feature_weight=1.0), target, batch)
+    assert "feature_loss0" not in plain.metrics and weighted.metrics["feature_loss0"] > 0
+    torch.testing.assert_close(weighted.loss, plain.loss + weighted.metrics["feature_loss0"])
