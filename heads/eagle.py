@@ -22,12 +22,11 @@ Parameter names follow vLLM/SGLang EAGLE-1: `fc.weight` [h, 2h], `layers.0.*` (n
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from headway.heads.base import DraftHead, TargetFeatures, register_head
-from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, head_loss, kl_to_target,
-                          masked_mean, new_decoder_layer, positive_int, require, resolve_options, rotary,
+from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, feature_regression, head_loss,
+                          kl_to_target, masked_mean, new_decoder_layer, positive_int, require, resolve_options, rotary,
                           shift_left, top_k_cross_entropy, unrolled_accuracy)
 
 DEFAULTS = dict(feature_weight=1.0, token_weight=0.1, noise=0.2, ttt_steps=1, step_decay=0.8, eval_depths=4,
@@ -89,7 +88,7 @@ class EagleHead(OneLayerDrafting, DraftHead):
             if j >= trained:
                 continue
             scored = shift_left(loss_mask.bool(), 2, fill=False) & (t >= j)  # x_{t+2} is learnt, anchor >= 0
-            feat_loss = masked_mean(F.smooth_l1_loss(out.float(), f_next.float(), reduction="none").mean(-1), scored)
+            feat_loss = masked_mean(feature_regression(out, f_next), scored)
             token_loss = masked_mean(kl_to_target(logits, p_next), scored)
             step_loss = o["feature_weight"] * feat_loss + o["token_weight"] * token_loss
             if o["top_k_weight"]:

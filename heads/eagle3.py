@@ -36,13 +36,12 @@ post_attention_layernorm, self_attn.*, mlp.*}`, `norm`, `lm_head`, `d2t`, `t2d` 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from headway.heads.base import DraftHead, TargetFeatures, check_layer_ids, most_frequent, register_head
-from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, head_loss, kl_to_target,
-                          masked_mean, new_decoder_layer, new_rms_norm, positive_int, require, resolve_options,
-                          rotary, shift_left, top_k_cross_entropy, unrolled_accuracy)
+from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, feature_regression, head_loss,
+                          kl_to_target, masked_mean, new_decoder_layer, new_rms_norm, positive_int, require,
+                          resolve_options, rotary, shift_left, top_k_cross_entropy, unrolled_accuracy)
 
 DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4,
                 init_layer="random", norm_before_fc=False, norm_before_residual=False, norm_output=False,
@@ -173,7 +172,8 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         steps = trained if self.training else self.num_depths
         outs = self.unroll(input_ids, self.fuse(feats), steps)  # [B, T, h] per step, query t drafts x_{t+2}
         p_next = shift_left(self.target_train_logits(feats), 1)  # target's x_{t+2} logits on the draft vocab
-        f_next = shift_left(feats.last_hidden, 1)  # [B, T, h] what the target's lm_head reads for x_{t+2}
+        # [B, T, h] what the target's lm_head reads for x_{t+2}; only the feature regression needs it
+        f_next = shift_left(feats.last_hidden, 1) if o["feature_weight"] else None
         t = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         loss, preds, metrics = 0.0, [], {}
         for j, out in enumerate(outs):
@@ -188,9 +188,9 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
                 top_k_loss = masked_mean(top_k_cross_entropy(logits, p_next, o["top_k"]), scored)
                 step_loss = step_loss + o["top_k_weight"] * top_k_loss
             if o["feature_weight"]:  # EAGLE-1's regression, on what lm_head reads: a dense signal per token
-                feat = F.smooth_l1_loss(self.readout_input(out).float(), f_next.float(), reduction="none").mean(-1)
-                metrics[f"feature_loss{j}"] = masked_mean(feat, scored).detach()
-                step_loss = step_loss + o["feature_weight"] * masked_mean(feat, scored)
+                feat_loss = masked_mean(feature_regression(self.readout_input(out), f_next), scored)
+                metrics[f"feature_loss{j}"] = feat_loss.detach()
+                step_loss = step_loss + o["feature_weight"] * feat_loss
             loss = loss + o["step_decay"] ** j * step_loss
         correct, count = unrolled_accuracy(preds, self.num_depths, input_ids, loss_mask)
         return head_loss(loss, correct, count, **metrics)

@@ -349,6 +349,11 @@ def kl_to_target(logits: Tensor, target_logits: Tensor) -> Tensor:
     return terms.masked_fill(~support, 0.0).sum(-1)
 
 
+def feature_regression(predicted: Tensor, target: Tensor) -> Tensor:
+    """EAGLE's feature loss: SmoothL1 between predicted and true hidden states, per position, [..., h] -> [...]."""
+    return F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)
+
+
 def top_k_cross_entropy(logits: Tensor, target_logits: Tensor, k: int) -> Tensor:
     """-sum over the target's k most probable tokens of p log q, per position, [..., V] -> [...] (fp32).
     The soft cross-entropy restricted to the head of the target's distribution (HASS's "harmonized objective
