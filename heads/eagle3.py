@@ -18,8 +18,10 @@ the output of step j-1 at t-1 and sees the true context up to its anchor plus it
 what tree drafting sees), loss = sum_j step_decay^j x soft CE to the target's distribution restricted to the
 draft vocabulary (renormalised; reported as KL), plus top_k_weight x the soft CE over the target's `top_k` most
 probable tokens (HASS; 0: off), plus feature_weight x SmoothL1 between what lm_head reads and the target's
-final-normed hidden state it should match (EAGLE-1's feature regression; 0: off). Anchors use 3 to 7 steps; 3 keeps CPU runs cheap. The per-step (chain-
-conditional) accuracies are the depth accuracies; eval mode unrolls max(ttt_steps, eval_depths) steps.
+final-normed hidden state it should match (EAGLE-1's feature regression; 0: off). `noise` adds EAGLE's
+uniform noise U(-noise/2, noise/2) to the (normed) aux states while training (0: off). Anchors use 3 to 7
+steps; 3 keeps CPU runs cheap. The per-step (chain-conditional) accuracies are the depth accuracies; eval mode
+unrolls max(ttt_steps, eval_depths) steps.
 
 Three optional norms (the "EAGLE 3.1" variants that speculators trains by default and vLLM serves, each a
 config key of the same name): `norm_before_fc` adds `input_norm`, an RMSNorm over the concatenated aux
@@ -45,7 +47,7 @@ from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_laye
 
 DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4,
                 init_layer="random", norm_before_fc=False, norm_before_residual=False, norm_output=False,
-                train_lm_head=True, top_k_weight=0.0, top_k=10, feature_weight=0.0)
+                train_lm_head=True, top_k_weight=0.0, top_k=10, feature_weight=0.0, noise=0.0)
 FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output", "train_lm_head")
 
 
@@ -62,7 +64,7 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
     def __init__(self, target_config, **options):
         opts = resolve_options("eagle3", DEFAULTS, options, {"init_layer": INIT_LAYER})
         positive_int("eagle3", opts, "draft_vocab_size", "ttt_steps", "eval_depths", "top_k")
-        for weight in ("top_k_weight", "feature_weight"):
+        for weight in ("top_k_weight", "feature_weight", "noise"):
             require(opts[weight] >= 0, f"head 'eagle3': {weight} must be >= 0, got {opts[weight]}")
         for flag in FLAGS:
             require(isinstance(opts[flag], bool), f"head 'eagle3': {flag} must be true or false, got {opts[flag]!r}")
@@ -135,6 +137,8 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         stacked = torch.cat([feats.hidden_states[i] for i in self.aux_layers], -1)  # [B, T, A*h]
         if self.options["norm_before_fc"]:
             stacked = self.input_norm(stacked)
+        if self.training and self.options["noise"]:  # EAGLE's U(-noise/2, noise/2) on the input features
+            stacked = stacked + (torch.rand_like(stacked) - 0.5) * self.options["noise"]
         return self.fc(stacked)
 
     def step(self, emb: Tensor, hidden: Tensor, positions: Tensor, kv, mask) -> Tensor:

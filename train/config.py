@@ -55,6 +55,8 @@ class LoopConfig:
     grad_accum: int = MISSING  # micro-steps per optimizer step (effective batch = batch x accum x procs)
     max_length: int = MISSING  # tokens per sequence (longer conversations are truncated)
     group_by_length: bool = True  # batches of similar-length conversations (less padding), still shuffled
+    loss_on: str = "assistant"  # tokens learned in training: assistant (the replies) | all (prompt tokens too: the
+    # target's distribution is a soft label at every position); validation always scores the replies
     eval_every: int = MISSING  # validate every N steps (and at the end); 0 = only at the end
     eval_batches: Optional[int] = MISSING  # validation batches per process (null = the whole split)
     save_every: int = MISSING  # full checkpoint every N steps (0 = none); a run always saves final/
@@ -101,6 +103,7 @@ register_configs()
 
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "muon")
+LOSS_ON = ("assistant", "all")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 DEVICES = ("auto", "cpu")
 LOGGERS = ("none", "wandb")
@@ -121,6 +124,7 @@ RULES = [
     ("train.batch_size", lambda v: v >= 1, ">= 1"),
     ("train.grad_accum", lambda v: v >= 1, ">= 1"),
     ("train.max_length", lambda v: v >= 2, ">= 2"),
+    ("train.loss_on", lambda v: v in LOSS_ON, f"one of {', '.join(LOSS_ON)}"),
     ("train.eval_every", lambda v: v >= 0, ">= 0 (0 = only at the end)"),
     ("train.eval_batches", lambda v: v is None or v >= 1, ">= 1 or null (the whole split)"),
     ("train.save_every", lambda v: v >= 0, ">= 0 (0 = no periodic checkpoints)"),

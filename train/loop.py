@@ -79,7 +79,8 @@ def train(cfg: DictConfig) -> Path:
         for group in (g for opt in job.optimizers for g in opt.param_groups):
             group["lr"] = lr
         for _ in range(t.grad_accum):
-            micro_step(job, next(batches), window, max_norm=cfg.optim.grad_clip or math.inf, step=step + 1)
+            micro_step(job, next(batches), window, max_norm=cfg.optim.grad_clip or math.inf, step=step + 1,
+                       loss_on=cfg.train.loss_on)
         step += 1
         bar.update(1)
 
@@ -305,12 +306,14 @@ def lr_at(step: int, optim: DictConfig, max_steps: int) -> float:
     return min_lr + remaining * (optim.lr - min_lr)
 
 
-def micro_step(job: Job, batch: dict, window: "Window", max_norm: float, step: int) -> None:
+def micro_step(job: Job, batch: dict, window: "Window", max_norm: float, step: int,
+               loss_on: str = "assistant") -> None:
     """Forward and backward on one micro-batch; the optimizer steps when accumulation is complete
     (accelerate's `accumulate` skips the gradient all-reduce and the step before that)."""
     accelerator = job.accelerator
+    learned = batch["loss_mask"] if loss_on == "assistant" else batch["attention_mask"].bool()  # [B, T]
     with accelerator.accumulate(job.model):
-        out = job.model(batch["input_ids"], batch["loss_mask"], job.features(batch))
+        out = job.model(batch["input_ids"], learned, job.features(batch))
         accelerator.backward(out.loss)
         if accelerator.sync_gradients:
             window.grad_norm = accelerator.clip_grad_norm_(job.model.parameters(), max_norm)

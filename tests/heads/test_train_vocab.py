@@ -140,3 +140,18 @@ def test_eagle3_feature_weight_adds_the_feature_regression(target, batch):
     weighted = loss_of(make_head("eagle3", target, ttt_steps=1, feature_weight=1.0), target, batch)
     assert "feature_loss0" not in plain.metrics and weighted.metrics["feature_loss0"] > 0
     torch.testing.assert_close(weighted.loss, plain.loss + weighted.metrics["feature_loss0"])
+
+
+def test_eagle3_noise_changes_training_only(target, batch):
+    head = make_head("eagle3", target, ttt_steps=1, noise=0.5)
+    quiet = make_head("eagle3", target, ttt_steps=1)
+    quiet.load_state_dict(head.state_dict())
+    feats = features(head, target, batch)
+    torch.manual_seed(0)
+    noisy_loss = loss_of(head, target, batch).loss
+    assert not torch.allclose(noisy_loss, loss_of(quiet, target, batch).loss)
+    head.eval(), quiet.eval()
+    with torch.no_grad():
+        drafted = head(batch["input_ids"], batch["loss_mask"], feats)
+        plain = quiet(batch["input_ids"], batch["loss_mask"], feats)
+    torch.testing.assert_close(drafted.loss, plain.loss)  # inference never sees the noise

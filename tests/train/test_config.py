@@ -94,6 +94,7 @@ def test_a_wrong_type_fails_at_compose_time():
     ("precision=fp8", "precision"),
     ("cpu_threads=0", "cpu_threads"),
     ("cpu_threads=many", "cpu_threads"),
+    ("train.loss_on=prompts", "train.loss_on"),
 ])
 def test_a_bad_value_fails_with_one_line_naming_the_key(override, key):
     with pytest.raises(ConfigError) as err:

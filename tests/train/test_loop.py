@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from headway.heads.base import load_head, read_head_config
+from headway.heads.eagle import EagleHead
 from headway.train.checkpoints import find_checkpoint, step_dirs
 from headway.train.config import ConfigError
 from headway.train.loop import train
@@ -57,6 +58,26 @@ def test_training_loss_falls(tmp_path):
     losses = [r["loss"] for r in rows(train(cfg), "train")]
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < 0.75 * first, losses
+
+
+@pytest.mark.parametrize("loss_on", ["assistant", "all"])
+def test_loss_on_all_learns_the_prompt_tokens_too_and_validation_scores_replies(loss_on, tmp_path, monkeypatch):
+    head_class = EagleHead
+    real_forward, masks = head_class.forward, []
+
+    def recording_forward(self, input_ids, loss_mask, feats):
+        masks.append((self.training, loss_mask.clone()))
+        return real_forward(self, input_ids, loss_mask, feats)
+
+    monkeypatch.setattr(head_class, "forward", recording_forward)
+    train(compose_train("head=eagle", "experiment=smoke", "train.max_steps=2", f"train.loss_on={loss_on}",
+                        run_dir=tmp_path))
+    trained = [m for training, m in masks if training]
+    validated = [m for training, m in masks if not training]
+    assert trained and validated
+    # position 0 (the template's first token) is never a reply token, so it is learned only with loss_on=all
+    assert all(bool(m[:, 0].all()) == (loss_on == "all") for m in trained)
+    assert not any(bool(m[:, 0].any()) for m in validated)
 
 
 def test_resume_after_a_stop_equals_an_uninterrupted_run(tmp_path):
