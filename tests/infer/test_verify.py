@@ -10,7 +10,6 @@
   the per-node loop of scripts/bench_verify.py
 """
 
-import sys
 from pathlib import Path
 
 import pytest
