@@ -6,6 +6,7 @@ import torch
 
 from headway.heads.base import compute_features
 from headway.heads.target import load_target
+from headway.train.data import decode as decode_module
 from headway.train.data.decode import Tap, decode
 
 MAX_NEW = 10
@@ -38,7 +39,13 @@ def hf_generate(target, prompt, stop):
     return out[0, len(prompt):].tolist()
 
 
-def test_greedy_decoding_equals_hf_generate_row_by_row(target, prompts):
+# complete rows leave the batch at once (0), once half of it (0.5), or only when all are complete (1)
+COMPACTIONS = [0.0, 0.5, 1.0]
+
+
+@pytest.mark.parametrize("compact_at", COMPACTIONS)
+def test_greedy_decoding_equals_hf_generate_row_by_row(target, prompts, compact_at, monkeypatch):
+    monkeypatch.setattr(decode_module, "COMPACT_AT", compact_at)
     stop = frequent_stop(target, prompts)
     got = decode(target.model, prompts, MAX_NEW, stop, target.tokenizer.pad_token_id)
     assert len(set(map(len, got.tokens))) > 1  # rows left the batch at different steps
@@ -49,7 +56,9 @@ def test_greedy_decoding_equals_hf_generate_row_by_row(target, prompts):
         assert finished == (tokens[-1] in stop)
 
 
-def test_captured_hidden_states_equal_a_teacher_forced_forward(target, prompts):
+@pytest.mark.parametrize("compact_at", COMPACTIONS)
+def test_captured_hidden_states_equal_a_teacher_forced_forward(target, prompts, compact_at, monkeypatch):
+    monkeypatch.setattr(decode_module, "COMPACT_AT", compact_at)
     stop = frequent_stop(target, prompts)
     glue = target.tokenizer("\n", add_special_tokens=False)["input_ids"]
     captured = {}

@@ -1,8 +1,9 @@
 """Batched decoding for data generation, capturing the target's hidden states on the way.
 
-One left-padded prefill, then one token per row per step through the HF model's own KV cache. Rows leave
-the batch as soon as they are complete (their KV rows are dropped), so a batch costs what its live rows
-cost. With a `Tap`, the hidden states of every position fed to the target are kept; when a row stops
+One left-padded prefill, then one token per row per step through the HF model's own KV cache. Complete rows
+leave the batch (their KV rows are dropped) once they are an eighth of it: dropping rows copies the whole KV
+cache (~2 GB at batch 128 and a few hundred tokens on SmolLM2-135M), so finished rows ride along for a few
+steps rather than cost one copy each. With a `Tap`, the hidden states of every position fed to the target are kept; when a row stops
 (stop token or max_new_tokens), the tap says which token ids the training pipeline will see for it (its
 chat-template rendering, tokenised as train/data/conversations does); the tokens of that sequence not fed
 yet (the stop token, the template's glue after it) are then teacher-forced through the same loop, and the
@@ -24,6 +25,7 @@ from headway.heads.sampling import argmax, sample, warp_probs
 
 GROWTH = 64  # tokens of room a cache buffer gains at least when it grows
 MAX_TAIL = 8  # tokens teacher-forced after a row stops (stop token + template glue: 1-3 in practice)
+COMPACT_AT = 1 / 8  # complete rows leave the batch once they are this share of it (see _Decoder.retire)
 
 
 @dataclass
@@ -102,8 +104,10 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        if self.is_initialized and self.length:
-            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+        if self.is_initialized and self.length:  # copy what is written (+ GROWTH of room), not the spare room
+            room = min(self.key_buffer.shape[-2], self.length + GROWTH)
+            self.key_buffer = self.key_buffer[..., :room, :].index_select(0, indices)
+            self.value_buffer = self.value_buffer[..., :room, :].index_select(0, indices)
             self._views()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -137,11 +141,12 @@ class _Decoder:
         self.tail_len = torch.zeros(B, dtype=torch.long)
         self.tail_fed = torch.zeros(B, dtype=torch.long)
         self.wanted: dict[int, list[int]] = {}  # row -> its training ids, while its tail is fed
+        self.done = torch.zeros(B, dtype=torch.bool)  # complete and handed over; may still ride in the batch
         self.captured = 0
+        self.dump = width + max_new + MAX_TAIL  # where the states of pads and done rows go: never captured
         if tap:
             h = model.config.hidden_size
             dtype = next(model.parameters()).dtype
-            self.dump = width + max_new + MAX_TAIL  # where left pads' states go: a column never captured
             self.hidden = {i: torch.zeros(B, self.dump + 1, h, dtype=dtype) for i in tap.layers}
 
     def run(self) -> Decoded:
@@ -187,7 +192,8 @@ class _Decoder:
         feed = torch.where(forced, self.tail[a, self.tail_fed[a].clamp(max=MAX_TAIL - 1)], new)  # [A]
         self.tail_fed[a] += forced.long()
         self.mask = torch.cat([self.mask, torch.ones(len(a), 1, dtype=torch.long)], 1)
-        logits = self.forward(feed[:, None], self.fed[a][:, None], self.fed[a][:, None])
+        slots = torch.where(self.done[a], self.dump, self.fed[a])  # [A]
+        logits = self.forward(feed[:, None], self.fed[a][:, None], slots[:, None])
         self.fed[a] += 1
         return logits
 
@@ -226,18 +232,19 @@ class _Decoder:
         self.wanted[b] = want
 
     def retire(self) -> Tensor:
-        """Drop the rows that are complete (stopped and their tail fed), handing captures to the tap;
-        -> the batch rows kept [A']."""
+        """Hand the rows that became complete (stopped and their tail fed) to the tap; drop the complete rows
+        from the batch once they are COMPACT_AT of it, or all of it. -> the batch rows kept [A']."""
         a = self.alive
-        complete = self.stopped[a] & (self.tail_fed[a] >= self.tail_len[a])
-        if not bool(complete.any()):
-            return torch.arange(len(a))
-        for b in a[complete].tolist():
+        complete = self.stopped[a] & (self.tail_fed[a] >= self.tail_len[a])  # [A]
+        for b in a[complete & ~self.done[a]].tolist():
             want = self.wanted.pop(b, None)
             if want is not None:
                 n = len(want)
                 self.tap.done(b, torch.tensor(want), {i: h[b, :n].clone() for i, h in self.hidden.items()})
                 self.captured += 1
+            self.done[b] = True
+        if int(complete.sum()) < max(1.0, COMPACT_AT * len(a)) and not bool(complete.all()):
+            return torch.arange(len(a))
         keep = (~complete).nonzero()[:, 0]
         self.alive, self.mask = a[keep], self.mask[keep]
         if len(keep):
