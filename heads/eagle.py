@@ -7,10 +7,12 @@ frozen target LM head turns it into the distribution of x_{t+2}. Drafting deeper
 feature back in: `draft_expand` at depth d runs at position m - 1 + d on its parent's predicted feature.
 
 Loss: feature_weight x SmoothL1(f^_{t+1}, f_{t+1}) + token_weight x soft CE to the target's distribution of
-x_{t+2} (reported as KL: the soft CE minus the target's entropy), with uniform noise U(-noise/2, noise/2) added to the input features while training (EAGLE's
-"std 0.2" uniform noise), plus top_k_weight x the soft CE over the target's `top_k` most probable tokens
-(HASS; 0: off). `ttt_steps` > 1 also trains on its own predicted features (EAGLE-3-style training-
-time test, step weights 0.8^i); EAGLE-1 uses 1.
+x_{t+2} (reported as KL: the soft CE minus the target's entropy), with uniform noise U(-noise/2, noise/2)
+added to the input features while training (EAGLE's "std 0.2" uniform noise), plus top_k_weight x the soft
+CE over the target's `top_k` most probable tokens (HASS; 0: off). `target_temperature` divides the target's
+logits in the token losses (< 1 sharpens the distribution toward its argmax, what greedy verification
+accepts). `ttt_steps` > 1 also trains on its own predicted features (EAGLE-3-style training-time test, step
+weights step_decay^i); EAGLE-1 uses 1.
 
 Depth accuracies: in eval mode the forward unrolls `eval_depths` steps open-loop on its own predicted
 features (true tokens, so depth d is scored where depths < d were right: the chain's conditional
@@ -30,7 +32,7 @@ from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_laye
                           shift_left, top_k_cross_entropy, unrolled_accuracy)
 
 DEFAULTS = dict(feature_weight=1.0, token_weight=0.1, noise=0.2, ttt_steps=1, step_decay=0.8, eval_depths=4,
-                train_vocab=None, init_layer="random", top_k_weight=0.0, top_k=10)
+                train_vocab=None, init_layer="random", top_k_weight=0.0, top_k=10, target_temperature=1.0)
 
 
 @register_head("eagle")
@@ -40,6 +42,8 @@ class EagleHead(OneLayerDrafting, DraftHead):
         positive_int("eagle", opts, "ttt_steps", "eval_depths", "top_k")
         require(opts["noise"] >= 0, f"head 'eagle': noise must be >= 0, got {opts['noise']}")
         require(opts["top_k_weight"] >= 0, f"head 'eagle': top_k_weight must be >= 0, got {opts['top_k_weight']}")
+        require(opts["target_temperature"] > 0,
+                f"head 'eagle': target_temperature must be > 0, got {opts['target_temperature']}")
         super().__init__(target_config, **opts)
         h = target_config.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=False)
@@ -79,7 +83,8 @@ class EagleHead(OneLayerDrafting, DraftHead):
         noisy = f + (torch.rand_like(f) - 0.5) * o["noise"] if self.training and o["noise"] else f
         outs = self.unroll(input_ids, noisy, steps)  # [B, T, h] per step: query t predicts f_{t+1}
         f_next = shift_left(f, 1)
-        p_next = shift_left(self.target_train_logits(feats), 1)  # target's x_{t+2} logits [B, T, Vt]
+        # target's x_{t+2} logits [B, T, Vt], sharpened (< 1) or flattened (> 1) by target_temperature
+        p_next = shift_left(self.target_train_logits(feats), 1) / o["target_temperature"]
         t = torch.arange(f.shape[1], device=f.device)[None]
         loss, preds, metrics = 0.0, [], {}
         for j, out in enumerate(outs):

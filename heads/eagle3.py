@@ -18,9 +18,10 @@ the output of step j-1 at t-1 and sees the true context up to its anchor plus it
 what tree drafting sees), loss = sum_j step_decay^j x soft CE to the target's distribution restricted to the
 draft vocabulary (renormalised; reported as KL), plus top_k_weight x the soft CE over the target's `top_k` most
 probable tokens (HASS; 0: off), plus feature_weight x SmoothL1 between what lm_head reads and the target's
-final-normed hidden state it should match (EAGLE-1's feature regression; 0: off). `noise` adds EAGLE's
-uniform noise U(-noise/2, noise/2) to the (normed) aux states while training (0: off). Anchors use 3 to 7
-steps; 3 keeps CPU runs cheap. The per-step (chain-conditional) accuracies are the depth accuracies; eval mode
+final-normed hidden state it should match (EAGLE-1's feature regression; 0: off). `target_temperature`
+divides the target's logits in the token losses (< 1 sharpens toward the argmax). `noise` adds EAGLE's uniform
+noise U(-noise/2, noise/2) to the (normed) aux states while training (0: off). Anchors use 3 to 7 steps; 3
+keeps CPU runs cheap. The per-step (chain-conditional) accuracies are the depth accuracies; eval mode
 unrolls max(ttt_steps, eval_depths) steps.
 
 Three optional norms (the "EAGLE 3.1" variants that speculators trains by default and vLLM serves, each a
@@ -47,7 +48,8 @@ from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_laye
 
 DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4,
                 init_layer="random", norm_before_fc=False, norm_before_residual=False, norm_output=False,
-                train_lm_head=True, top_k_weight=0.0, top_k=10, feature_weight=0.0, noise=0.0)
+                train_lm_head=True, top_k_weight=0.0, top_k=10, feature_weight=0.0, noise=0.0,
+                target_temperature=1.0)
 FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output", "train_lm_head")
 
 
@@ -66,6 +68,8 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         positive_int("eagle3", opts, "draft_vocab_size", "ttt_steps", "eval_depths", "top_k")
         for weight in ("top_k_weight", "feature_weight", "noise"):
             require(opts[weight] >= 0, f"head 'eagle3': {weight} must be >= 0, got {opts[weight]}")
+        require(opts["target_temperature"] > 0,
+                f"head 'eagle3': target_temperature must be > 0, got {opts['target_temperature']}")
         for flag in FLAGS:
             require(isinstance(opts[flag], bool), f"head 'eagle3': {flag} must be true or false, got {opts[flag]!r}")
         N, h, V = target_config.num_hidden_layers, target_config.hidden_size, target_config.vocab_size
@@ -175,7 +179,8 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         trained = o["ttt_steps"]
         steps = trained if self.training else self.num_depths
         outs = self.unroll(input_ids, self.fuse(feats), steps)  # [B, T, h] per step, query t drafts x_{t+2}
-        p_next = shift_left(self.target_train_logits(feats), 1)  # target's x_{t+2} logits on the draft vocab
+        # target's x_{t+2} logits on the draft vocab, sharpened (< 1) or flattened (> 1) by target_temperature
+        p_next = shift_left(self.target_train_logits(feats), 1) / o["target_temperature"]
         # [B, T, h] what the target's lm_head reads for x_{t+2}; only the feature regression needs it
         f_next = shift_left(feats.last_hidden, 1) if o["feature_weight"] else None
         t = torch.arange(input_ids.shape[1], device=input_ids.device)[None]

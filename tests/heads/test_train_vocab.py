@@ -34,12 +34,14 @@ def test_a_training_vocabulary_as_large_as_the_target_vocabulary_changes_nothing
                                rtol=0, atol=0)
 
 
-def test_eagle_loss_is_the_renormalised_kl_on_the_kept_rows(target, batch):
-    """Independent path: full-vocabulary logits of head and target, then keep the columns of the ids."""
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_eagle_loss_is_the_renormalised_kl_on_the_kept_rows(target, batch, temperature):
+    """Independent path: full-vocabulary logits of head and target, then keep the columns of the ids; the
+    target's logits divided by target_temperature."""
     V = target.config.vocab_size
     keep = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:37]
     head = make_head("eagle", target, train_vocab=37, noise=0.0, feature_weight=0.0, token_weight=1.0,
-                     ttt_steps=1)  # one step: the loss below is that step's
+                     ttt_steps=1, target_temperature=temperature)  # one step: the loss below is that step's
     head.init_from_data(counts_favouring(keep, V))
     assert torch.equal(head.train_ids, keep.sort().values)
     out = loss_of(head, target, batch)
@@ -49,7 +51,7 @@ def test_eagle_loss_is_the_renormalised_kl_on_the_kept_rows(target, batch):
     with torch.no_grad():
         step1 = head.unroll(ids, feats.last_hidden, 1)[0]
         q = head.target_logits(step1)[..., head.train_ids]  # [B, T, Vt]
-        p = shift_left(head.target_logits(feats.last_hidden)[..., head.train_ids], 1)
+        p = shift_left(head.target_logits(feats.last_hidden)[..., head.train_ids], 1) / temperature
         expected = masked_mean(kl_to_target(q, p), shift_left(mask.bool(), 2, fill=False))
     torch.testing.assert_close(out.loss.detach(), expected, rtol=1e-5, atol=1e-6)
 
