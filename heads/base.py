@@ -305,13 +305,15 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         return hidden @ linear.weight[ids].T
 
     @torch.no_grad()
-    def target_train_logits(self, feats: TargetFeatures) -> Tensor:
-        """The target's logits on the training ids, [B, T, Vt] fp32 (read from the cache, or computed
-        through only those rows of its frozen LM head)."""
+    def target_train_logits(self, feats: TargetFeatures, where: Tensor | None = None) -> Tensor:
+        """The target's logits on the training ids, [B, T, Vt] fp32, or [n, Vt] at the positions `where`
+        [B, T] selects (read from the cache, or computed through only those rows of its frozen LM head)."""
         ids = self._ids_on(feats.last_hidden.device)
         if feats.logits is not None:
-            return (feats.logits if ids is None else feats.logits[..., ids]).float()
-        return self.train_readout(feats.last_hidden, self.frozen["lm_head"]).float()
+            logits = feats.logits if where is None else feats.logits[where]
+            return (logits if ids is None else logits[..., ids]).float()
+        hidden = feats.last_hidden if where is None else feats.last_hidden[where]
+        return self.train_readout(hidden, self.frozen["lm_head"]).float()
 
     def train_token_ids(self, compact: Tensor) -> Tensor:
         """Training-vocabulary indices -> target token ids (e.g. of an argmax)."""

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from headway.heads.base import DraftHead, TargetFeatures, register_head
 from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, feature_regression, head_loss,
-                          kl_to_target, masked_mean, new_decoder_layer, positive_int, require, resolve_options, rotary,
-                          shift_left, top_k_cross_entropy, unrolled_accuracy)
+                                  kl_to_target, learnt_queries, masked_mean, new_decoder_layer, positive_int, require,
+                                  resolve_options, rotary, scatter_rows, top_k_cross_entropy, unrolled_accuracy)
 
 DEFAULTS = dict(feature_weight=1.0, token_weight=0.1, noise=0.2, ttt_steps=1, step_decay=0.8, eval_depths=4,
                 train_vocab=None, init_layer="random", top_k_weight=0.0, top_k=10, target_temperature=1.0)
@@ -82,17 +82,19 @@ class EagleHead(OneLayerDrafting, DraftHead):
         steps = trained if self.training else self.num_depths
         noisy = f + (torch.rand_like(f) - 0.5) * o["noise"] if self.training and o["noise"] else f
         outs = self.unroll(input_ids, noisy, steps)  # [B, T, h] per step: query t predicts f_{t+1}
-        f_next = shift_left(f, 1)
-        # target's x_{t+2} logits [B, T, Vt], sharpened (< 1) or flattened (> 1) by target_temperature
-        p_next = shift_left(self.target_train_logits(feats), 1) / o["target_temperature"]
-        t = torch.arange(f.shape[1], device=f.device)[None]
+        queries, at_next = learnt_queries(loss_mask)  # [B, T]: read out only where x_{t+2} is learnt
+        f_next = f[at_next]  # [n, h]
+        # target's x_{t+2} logits [n, Vt], sharpened (< 1) or flattened (> 1) by target_temperature
+        p_next = self.target_train_logits(feats, at_next) / o["target_temperature"]
+        query_pos = queries.nonzero()[:, 1]  # [n]
         loss, preds, metrics = 0.0, [], {}
         for j, out in enumerate(outs):
-            logits = self.train_readout(out, self.frozen["lm_head"])  # [B, T, Vt]
-            preds.append(self.train_token_ids(logits.detach().argmax(-1)))
+            out = out[queries]  # [n, h]
+            logits = self.train_readout(out, self.frozen["lm_head"])  # [n, Vt]
+            preds.append(scatter_rows(queries, self.train_token_ids(logits.detach().argmax(-1))))
             if j >= trained:
                 continue
-            scored = shift_left(loss_mask.bool(), 2, fill=False) & (t >= j)  # x_{t+2} is learnt, anchor >= 0
+            scored = query_pos >= j  # [n]: the draft's anchor t - j is a real position
             feat_loss = masked_mean(feature_regression(out, f_next), scored)
             token_loss = masked_mean(kl_to_target(logits, p_next), scored)
             step_loss = o["feature_weight"] * feat_loss + o["token_weight"] * token_loss

@@ -43,8 +43,9 @@ from torch import Tensor, nn
 
 from headway.heads.base import DraftHead, TargetFeatures, check_layer_ids, most_frequent, register_head
 from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, feature_regression, head_loss,
-                          kl_to_target, masked_mean, new_decoder_layer, new_rms_norm, positive_int, require,
-                          resolve_options, rotary, shift_left, top_k_cross_entropy, unrolled_accuracy)
+                                  kl_to_target, learnt_queries, masked_mean, new_decoder_layer, new_rms_norm,
+                                  positive_int, require, resolve_options, rotary, scatter_rows, top_k_cross_entropy,
+                                  unrolled_accuracy)
 
 DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4,
                 init_layer="random", norm_before_fc=False, norm_before_residual=False, norm_output=False,
@@ -179,18 +180,21 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         trained = o["ttt_steps"]
         steps = trained if self.training else self.num_depths
         outs = self.unroll(input_ids, self.fuse(feats), steps)  # [B, T, h] per step, query t drafts x_{t+2}
-        # target's x_{t+2} logits on the draft vocab, sharpened (< 1) or flattened (> 1) by target_temperature
-        p_next = shift_left(self.target_train_logits(feats), 1) / o["target_temperature"]
-        # [B, T, h] what the target's lm_head reads for x_{t+2}; only the feature regression needs it
-        f_next = shift_left(feats.last_hidden, 1) if o["feature_weight"] else None
-        t = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        queries, at_next = learnt_queries(loss_mask)  # [B, T]: read out only where x_{t+2} is learnt
+        # target's x_{t+2} logits [n, Vd] on the draft vocab, sharpened (< 1) or flattened (> 1) by
+        # target_temperature
+        p_next = self.target_train_logits(feats, at_next) / o["target_temperature"]
+        # [n, h] what the target's lm_head reads for x_{t+2}; only the feature regression needs it
+        f_next = feats.last_hidden[at_next] if o["feature_weight"] else None
+        query_pos = queries.nonzero()[:, 1]  # [n]
         loss, preds, metrics = 0.0, [], {}
         for j, out in enumerate(outs):
-            logits = self.draft_logits(out)  # [B, T, Vd]
-            preds.append(self.train_token_ids(logits.detach().argmax(-1)))
+            out = out[queries]  # [n, h]
+            logits = self.draft_logits(out)  # [n, Vd]
+            preds.append(scatter_rows(queries, self.train_token_ids(logits.detach().argmax(-1))))
             if j >= trained:
                 continue
-            scored = shift_left(loss_mask.bool(), 2, fill=False) & (t >= j)
+            scored = query_pos >= j  # [n]: the draft's anchor t - j is a real position
             step_loss = masked_mean(kl_to_target(logits, p_next), scored)
             metrics[f"loss_step{j}"] = step_loss.detach()
             if o["top_k_weight"]:

@@ -300,6 +300,23 @@ def shift_left(x: Tensor, steps: int, fill=0) -> Tensor:
     return torch.cat([x[:, steps:], x.new_full((x.shape[0], steps) + x.shape[2:], fill)], 1)
 
 
+def learnt_queries(loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Queries t whose draft of x_{t+2} is learnt (loss_mask[t+2]), and the positions t+1 whose target
+    features score them: two [B, T] bool masks that select the same number of rows in the same order. Heads
+    read out only there: a prompt or padding position is never scored, so its logits need not exist."""
+    queries = shift_left(loss_mask.bool(), 2, fill=False)
+    features = torch.zeros_like(queries)
+    features[:, 1:] = queries[:, :-1]
+    return queries, features
+
+
+def scatter_rows(mask: Tensor, values: Tensor, fill: int = -1) -> Tensor:
+    """values [n] of the rows `mask` [B, T] selects -> [B, T], `fill` elsewhere (an id no label equals)."""
+    out = values.new_full(mask.shape, fill)
+    out[mask] = values
+    return out
+
+
 # ---------------------------------------------------------------------------------------- metrics
 
 def labels_at_depth(input_ids: Tensor, loss_mask: Tensor, depth: int):

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from headway.heads.base import DraftHead, HeadError, TargetFeatures, register_head
-from headway.heads.layers import (chain_accuracy, head_loss, labels_at_depth, last_valid, masked_mean, positive_int,
-                          resolve_options, kl_to_target)
+from headway.heads.layers import (chain_accuracy, head_loss, kl_to_target, labels_at_depth, last_valid, masked_mean,
+                                  positive_int, resolve_options, scatter_rows)
 
 DEFAULTS = dict(num_heads=4, num_layers=1, decay=0.8, loss="ce", train_vocab=None)
 CHOICES = dict(loss=("ce", "kl"))
@@ -82,19 +82,21 @@ class MedusaHead(DraftHead):
         target = self.target_train_logits(feats) if kl else None  # [B, T, Vt]
         loss, preds, per_head = 0.0, [], {}
         for k in range(self.num_depths):
-            logits = self.train_readout(self.blocks[k](feats.last_hidden), self.lm_heads[k])  # [B, T, Vt]
-            labels, scored = labels_at_depth(input_ids, loss_mask, k + 1)  # t -> x_{t+k+2}
+            labels, scored = labels_at_depth(input_ids, loss_mask, k + 1)  # t -> x_{t+k+2}, [B, T]
+            # read out only where the label is learnt: a prompt or padding position is never scored
+            logits = self.train_readout(self.blocks[k](feats.last_hidden[scored]), self.lm_heads[k])  # [n, Vt]
             if kl:
-                p_logits = torch.cat([target[:, k + 1:], target[:, -1:].expand(-1, k + 1, -1)], 1)
-                per_pos = kl_to_target(logits, p_logits)
+                p_logits = torch.cat([target[:, k + 1:], target[:, -1:].expand(-1, k + 1, -1)], 1)[scored]
+                per_pos = kl_to_target(logits, p_logits)  # [n]
+                learnt = torch.ones_like(per_pos, dtype=torch.bool)
             else:
-                compact = self.train_labels(labels)  # -100 outside the training vocabulary: no loss there
-                per_pos = F.cross_entropy(logits.flatten(0, 1).float(), compact.flatten(), reduction="none")
-                per_pos, scored = per_pos.view_as(labels), scored & (compact >= 0)
-            head_k = masked_mean(per_pos, scored)
+                compact = self.train_labels(labels[scored])  # [n], -100 outside the training vocabulary: no loss
+                per_pos = F.cross_entropy(logits.float(), compact, reduction="none")
+                learnt = compact >= 0
+            head_k = masked_mean(per_pos, learnt)
             loss = loss + decay ** k * head_k
             per_head[f"loss_head{k}"] = head_k.detach()
-            preds.append(self.train_token_ids(logits.detach().argmax(-1)))
+            preds.append(scatter_rows(scored, self.train_token_ids(logits.detach().argmax(-1))))
         correct, count = chain_accuracy(preds, input_ids, loss_mask)
         return head_loss(loss, correct, count, **per_head)
 

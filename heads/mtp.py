@@ -33,7 +33,7 @@ from headway.heads.base import DraftHead, HeadError, TargetFeatures, register_he
 from headway.heads.layers import (INIT_LAYER, ContextKV, JoinKV, attend_mask, chain_accuracy, context_begin,
                           copy_target_layer, head_loss, labels_at_depth, last_valid, masked_mean,
                           new_decoder_layer, new_rms_norm, positive_int, require, resolve_options, rotary,
-                          self_mask, shift_left, valid_slots)
+                          scatter_rows, self_mask, shift_left, valid_slots)
 
 DEFAULTS = dict(num_modules=3, loss_weights=None, train_vocab=None, init_layer="random")
 
@@ -118,14 +118,16 @@ class MTPHead(DraftHead):
         weights = self.options["loss_weights"] or [1.0 / self.num_depths] * self.num_depths
         loss, preds, metrics = 0.0, [], {}
         for k, out in enumerate(self.anchor_outputs(input_ids, feats)):  # i -> x_{i+k+2}
-            logits = self.train_readout(self.layers[k].shared_head.norm(out), self.frozen["lm_head"])  # [B, T, Vt]
-            labels, scored = labels_at_depth(input_ids, loss_mask, k + 1)
-            compact = self.train_labels(labels)  # -100 outside the training vocabulary: no loss there
-            ce = F.cross_entropy(logits.flatten(0, 1).float(), compact.flatten(), reduction="none")
-            depth_loss = masked_mean(ce.view_as(labels), scored & (compact >= 0))
+            labels, scored = labels_at_depth(input_ids, loss_mask, k + 1)  # [B, T]
+            # read out only where the label is learnt: a prompt or padding position is never scored
+            readout_input = self.layers[k].shared_head.norm(out[scored])  # [n, h]
+            logits = self.train_readout(readout_input, self.frozen["lm_head"])  # [n, Vt]
+            compact = self.train_labels(labels[scored])  # [n], -100 outside the training vocabulary: no loss there
+            ce = F.cross_entropy(logits.float(), compact, reduction="none")
+            depth_loss = masked_mean(ce, compact >= 0)
             loss = loss + weights[k] * depth_loss
             metrics[f"loss_depth{k + 1}"] = depth_loss.detach()
-            preds.append(self.train_token_ids(logits.detach().argmax(-1)))
+            preds.append(scatter_rows(scored, self.train_token_ids(logits.detach().argmax(-1))))
         correct, count = chain_accuracy(preds, input_ids, loss_mask)
         return head_loss(loss, correct, count, **metrics)
 

@@ -16,6 +16,7 @@ per token can be checked to grow no worse than linearly with the sequence length
     python scripts/bench_train.py                                   # SmolLM2-135M, all heads: vocab before/after
     python scripts/bench_train.py --scaling                         # all heads, 256..2048, online vs offline
     python scripts/bench_train.py --scaling --heads eagle3 --lengths 512 2048 --device cuda --dtype bf16
+    python scripts/bench_train.py --prompt-share 0.26                # a quarter of each row is prompt (not learnt)
     python scripts/bench_train.py --quick                           # tiny random target (smoke test)
 """
 
@@ -48,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--scaling", action="store_true", help="online vs offline by sequence length")
     p.add_argument("--vocab-batch", type=int, default=4, help="sequences per step for the vocabulary comparison")
     p.add_argument("--vocab-length", type=int, default=256, help="tokens per sequence for the vocabulary comparison")
+    p.add_argument("--prompt-share", type=float, default=0.0,
+                   help="share of each sequence that is prompt, not learnt (the default dataset: 0.26)")
     p.add_argument("--quick", action="store_true", help="tiny random target, lengths 32 and 64 (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -96,11 +99,12 @@ def _sync(device):
 
 # ------------------------------------------------------------------------------------------- steps
 
-def make_batch(target, length: int, batch: int, device) -> dict:
+def make_batch(target, length: int, batch: int, device, prompt_share: float = 0.0) -> dict:
+    """Random tokens; the first `prompt_share` of each row is prompt (not learnt), the rest reply."""
     g = torch.Generator().manual_seed(length)
     ids = torch.randint(target.config.vocab_size, (batch, length), generator=g).to(device)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-            "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+    loss_mask = (torch.arange(length, device=device) >= round(prompt_share * length))[None].expand(batch, -1)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask.contiguous()}
 
 
 def head_options(kind: str) -> dict:
@@ -184,7 +188,7 @@ def vocabulary(target, args) -> None:
     """Head step tokens/s: read-out over the whole vocabulary vs the training vocabulary (the defaults)."""
     print(f"head step only (forward + backward + AdamW), batch {args.vocab_batch} x {args.vocab_length} tokens, "
           f"{args.steps} timed steps per point, the two recipes interleaved")
-    batch = make_batch(target, args.vocab_length, args.vocab_batch, args.device)
+    batch = make_batch(target, args.vocab_length, args.vocab_batch, args.device, args.prompt_share)
     counts = torch.arange(target.config.vocab_size, 0, -1)  # like real data: lower BPE ids are more frequent
     rows, speedup = [], {}
     for kind in args.heads:
@@ -231,7 +235,7 @@ def scaling(target, args) -> None:
             head.init_from_data(torch.ones(target.config.vocab_size, dtype=torch.long))
             per_token = []
             for length in args.lengths:
-                batch = make_batch(target, length, args.batch, args.device)
+                batch = make_batch(target, length, args.batch, args.device, args.prompt_share)
                 t_on, t_off, m_on, m_off, feats = time_features(target, batch, head.feature_layers(), args,
                                                                  Path(tmp) / f"{kind}-{length}")
                 t_head, m_head = time_head(head, batch, feats, args)

@@ -7,6 +7,7 @@ import torch
 from head_helpers import (KINDS, at_anchor, begin, check_cached_chain, features, make_head, train_briefly,
                           yaml_options)
 from headway.heads.base import HeadError, build_head, load_head, save_head
+from headway.heads.layers import chain_accuracy
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -47,6 +48,23 @@ def test_target_weights_stay_out_of_the_head(kind, target):
     assert not target_ptrs & {p.data_ptr() for p in head.parameters()}
     assert not target_ptrs & {t.data_ptr() for t in head.state_dict().values()}
     assert not any("embed_tokens" in name for name in head.state_dict())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_validation_accuracies_are_those_of_the_teacher_forced_drafts(kind, target, batch):
+    """The forward reads out only where a label is learnt; its depth accuracies must still be the chain
+    accuracies of the full teacher-forced drafts (every position read out, over the same vocabulary)."""
+    head = make_head(kind, target, seed=3)
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    feats = features(head, target, batch)
+    train_briefly(head, batch, feats, steps=30)  # so that some drafts are right
+    head.eval()
+    with torch.no_grad():
+        out = head(ids, mask, feats)
+        preds = [logits.argmax(-1) for logits in head.anchor_logits(ids, feats)]
+    correct, count = chain_accuracy(preds, ids, mask)
+    assert int(count[0]) > 0 and int(correct[0]) > 0
+    assert torch.equal(out.depth_correct, correct) and torch.equal(out.depth_count, count)
 
 
 @pytest.mark.parametrize("kind", KINDS)
