@@ -182,7 +182,7 @@ class _Decoder:
             self.cache.batch_repeat_interleave(B)
             return out.logits[:, -1].float().expand(B, -1)
         positions = (self.mask.cumsum(1) - 1).clamp(min=0)  # [B, width]; left pads at 0
-        slots = torch.where(self.mask.bool(), positions, getattr(self, "dump", 0))
+        slots = torch.where(self.mask.bool(), positions, self.dump)
         return self.forward(self.ids, positions, slots)
 
     def step(self, new: Tensor) -> Tensor:
