@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -174,6 +175,8 @@ def _timed(fn, args) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if not 0 <= args.prompt_share < 1:
+        sys.exit(f"error: --prompt-share must be in [0, 1) (the prompt's share of each row), got {args.prompt_share}")
     torch.manual_seed(0)
     target = bc.load_bench_target(args.target, args.device, args.dtype)
     dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")

@@ -62,14 +62,13 @@ def test_training_loss_falls(tmp_path):
 
 @pytest.mark.parametrize("loss_on", ["assistant", "all"])
 def test_loss_on_all_learns_the_prompt_tokens_too_and_validation_scores_replies(loss_on, tmp_path, monkeypatch):
-    head_class = EagleHead
-    real_forward, masks = head_class.forward, []
+    real_forward, masks = EagleHead.forward, []
 
     def recording_forward(self, input_ids, loss_mask, feats):
         masks.append((self.training, loss_mask.clone()))
         return real_forward(self, input_ids, loss_mask, feats)
 
-    monkeypatch.setattr(head_class, "forward", recording_forward)
+    monkeypatch.setattr(EagleHead, "forward", recording_forward)
     train(compose_train("head=eagle", "experiment=smoke", "train.max_steps=2", f"train.loss_on={loss_on}",
                         run_dir=tmp_path))
     trained = [m for training, m in masks if training]
