@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from headway.heads.base import DraftHead, TargetFeatures, register_head
-from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, feature_regression, head_loss,
-                                  kl_to_target, learnt_queries, masked_mean, new_decoder_layer, positive_int, require,
+from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, TargetDistribution, copy_target_layer,
+                                  feature_regression, head_loss, learnt_queries, masked_mean, new_decoder_layer, positive_int, require,
                                   resolve_options, rotary, scatter_rows, top_k_cross_entropy, unrolled_accuracy)
 
 DEFAULTS = dict(feature_weight=1.0, token_weight=0.1, noise=0.2, ttt_steps=1, step_decay=0.8, eval_depths=4,
@@ -86,6 +86,7 @@ class EagleHead(OneLayerDrafting, DraftHead):
         f_next = f[at_next]  # [n, h]
         # target's x_{t+2} logits [n, Vt], sharpened (< 1) or flattened (> 1) by target_temperature
         p_next = self.target_train_logits(feats, at_next) / o["target_temperature"]
+        target = TargetDistribution(p_next)  # [n, Vt] once, shared by every step's loss
         query_pos = queries.nonzero()[:, 1]  # [n]
         loss, preds, metrics = 0.0, [], {}
         for j, out in enumerate(outs):
@@ -96,7 +97,7 @@ class EagleHead(OneLayerDrafting, DraftHead):
                 continue
             scored = query_pos >= j  # [n]: the draft's anchor t - j is a real position
             feat_loss = masked_mean(feature_regression(out, f_next), scored)
-            token_loss = masked_mean(kl_to_target(logits, p_next), scored)
+            token_loss = masked_mean(target.kl(logits), scored)
             step_loss = o["feature_weight"] * feat_loss + o["token_weight"] * token_loss
             if o["top_k_weight"]:
                 top_k_loss = masked_mean(top_k_cross_entropy(logits, p_next, o["top_k"]), scored)

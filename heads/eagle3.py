@@ -42,8 +42,8 @@ import torch
 from torch import Tensor, nn
 
 from headway.heads.base import DraftHead, TargetFeatures, check_layer_ids, most_frequent, register_head
-from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, copy_target_layer, feature_regression, head_loss,
-                                  kl_to_target, learnt_queries, masked_mean, new_decoder_layer, new_rms_norm,
+from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, TargetDistribution, copy_target_layer,
+                                  feature_regression, head_loss, learnt_queries, masked_mean, new_decoder_layer, new_rms_norm,
                                   positive_int, require, resolve_options, rotary, scatter_rows, top_k_cross_entropy,
                                   unrolled_accuracy)
 
@@ -184,6 +184,7 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         # target's x_{t+2} logits [n, Vd] on the draft vocab, sharpened (< 1) or flattened (> 1) by
         # target_temperature
         p_next = self.target_train_logits(feats, at_next) / o["target_temperature"]
+        target = TargetDistribution(p_next)  # [n, Vt] once, shared by every step's loss
         # [n, h] what the target's lm_head reads for x_{t+2}; only the feature regression needs it
         f_next = feats.last_hidden[at_next] if o["feature_weight"] else None
         query_pos = queries.nonzero()[:, 1]  # [n]
@@ -195,7 +196,7 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
             if j >= trained:
                 continue
             scored = query_pos >= j  # [n]: the draft's anchor t - j is a real position
-            step_loss = masked_mean(kl_to_target(logits, p_next), scored)
+            step_loss = masked_mean(target.kl(logits), scored)
             metrics[f"loss_step{j}"] = step_loss.detach()
             if o["top_k_weight"]:
                 top_k_loss = masked_mean(top_k_cross_entropy(logits, p_next, o["top_k"]), scored)

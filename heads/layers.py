@@ -355,15 +355,47 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
+class TargetDistribution:
+    """The target's next-token distribution p [..., V] (fp32) and its entropy, computed once per batch and
+    shared by every training-time-test step's loss. Target logits may be -inf (a top-k cache): those
+    tokens have p = 0; a row with no finite logit has p = 0 everywhere and adds nothing."""
+
+    def __init__(self, target_logits: Tensor):
+        with torch.no_grad():
+            self.p = target_logits.float().log_softmax(-1).exp_().nan_to_num_(0.0)  # NaN rows (no support) -> 0
+            self.entropy = -torch.special.xlogy(self.p, self.p).sum(-1)  # [...]; 0 log 0 = 0
+
+    def kl(self, logits: Tensor) -> Tensor:
+        """KL(p || q) per position, [..., V] -> [...] (fp32): the soft cross-entropy minus the target's entropy,
+        so the same gradient, and 0 means the head matches the target."""
+        return SoftCrossEntropy.apply(logits, self.p) - self.entropy
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """-sum_i p_i log softmax(z)_i per row, with the closed-form gradient softmax(z) sum(p) - p: a few
+    passes over [n, V] where autograd through log_softmax, products and masks takes several times as
+    many (the read-out's [n, V] logits are the largest tensors of a training step)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, p: Tensor) -> Tensor:
+        log_q = logits.to(p.dtype).log_softmax(-1)  # in p's precision (fp32 from TargetDistribution)
+        log_q.clamp_(min=torch.finfo(log_q.dtype).min)  # a -inf logit where p = 0 adds 0, not 0 * inf = NaN
+        ctx.save_for_backward(log_q, p)
+        ctx.logits_dtype = logits.dtype
+        flat_p, flat_q = p.reshape(-1, 1, p.shape[-1]), log_q.reshape(-1, p.shape[-1], 1)
+        return -torch.bmm(flat_p, flat_q).reshape(p.shape[:-1])  # [...]: one batched dot, no [n, V] temporary
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        log_q, p = ctx.saved_tensors
+        grad_logits = log_q.exp().mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(grad.unsqueeze(-1))
+        return grad_logits.to(ctx.logits_dtype), None
+
+
 def kl_to_target(logits: Tensor, target_logits: Tensor) -> Tensor:
-    """KL(p_target || q) per position, [..., V] -> [...] (fp32): the soft cross-entropy to the target minus
-    the target's entropy, so same gradient, and 0 means the head matches the target. Target logits may be
-    -inf (a top-k cache): those tokens have p = 0 and add nothing; a row with no finite logit adds 0."""
-    log_p = target_logits.float().log_softmax(-1)  # -inf off the support, NaN in a row without one
-    support = log_p > float("-inf")
-    log_p = log_p.masked_fill(~support, 0.0)  # so p = 0 terms never compute 0 * inf = NaN, nor its gradient
-    terms = log_p.exp() * (log_p - logits.float().log_softmax(-1))
-    return terms.masked_fill(~support, 0.0).sum(-1)
+    """KL(p_target || q) per position, [..., V] -> [...] (fp32), from the target's logits (see
+    TargetDistribution; build one instead when several losses share the same target)."""
+    return TargetDistribution(target_logits).kl(logits)
 
 
 def feature_regression(predicted: Tensor, target: Tensor) -> Tensor:
