@@ -383,7 +383,8 @@ class SoftCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(log_q, p)
         ctx.logits_dtype = logits.dtype
         flat_p, flat_q = p.reshape(-1, 1, p.shape[-1]), log_q.reshape(-1, p.shape[-1], 1)
-        return -torch.bmm(flat_p, flat_q).reshape(p.shape[:-1])  # [...]: one batched dot, no [n, V] temporary
+        with torch.autocast(logits.device.type, enabled=False):  # bf16 autocast would round the dot product
+            return -torch.bmm(flat_p, flat_q).reshape(p.shape[:-1])  # [...]: a batched dot, no [n, V] temporary
 
     @staticmethod
     def backward(ctx, grad: Tensor):
