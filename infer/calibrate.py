@@ -21,7 +21,7 @@ beyond).
 Keys (conf/calibrate.yaml, schema CalibrateConfig): target (a conf/target preset; its fields can be
 overridden as target.path=..., target.dtype=...), weight_layout, context.
 The curve is cached in $HEADWAY_CACHE/calibration/<target>-<device>-<dtype>-<layout>.json (device: cuda, or
-cpu<threads>; layout: the engine's weight_layout, see infer.weight_layout).
+cpu<threads>; layout: the engine's weight_layout, see infer.weight_layout; panel-<kernel version> for the panel layout).
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ class TreeBudget:
 
 def curve_path(target) -> Path:
     layout = current_layout(getattr(target, "model", target))  # the weight layout changes T(N) too
+    if layout == "panel":  # and so does the kernel: a curve of an older panel kernel is measured again
+        layout = f"panel-{panel_kernel.source_tag()}"
     return measurement_path(target, layout)
 
 

@@ -60,7 +60,7 @@ MIN_GAIN = 1.03  # auto leaves the stock layout only for a score at least 3% bet
 PACK_BUCKETS = (4, 8, 16, 32, 64)  # row counts with a packed copy; fewer rows than 3 run the stock GEMV
 MIN_PACKED_ROWS = 3
 SCORE_ROWS = (1, 8)  # auto's score: T(1) + T(8), a decode step plus a typical tree
-CHOICE_VERSION = 3  # cached choices from before the panel layout are measured again
+CHOICE_VERSION = 4  # cached choices from before the panel layout's prefetching kernel are measured again
 
 
 def candidates(model: nn.Module) -> tuple[str, ...]:

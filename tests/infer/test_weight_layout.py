@@ -232,6 +232,16 @@ def test_latency_curves_are_cached_per_layout(target):
     assert curve_path(target) != stock_path and "wide-column" in curve_path(target).name
 
 
+def test_a_new_panel_kernel_does_not_reuse_the_curve_of_an_older_one(target, monkeypatch):
+    import headway.infer.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "current_layout", lambda model: "panel")
+    monkeypatch.setattr(calibrate.panel_kernel, "source_tag", lambda: "kernel-a")
+    old = curve_path(target)
+    monkeypatch.setattr(calibrate.panel_kernel, "source_tag", lambda: "kernel-b")
+    assert curve_path(target) != old and "panel-kernel-b" in curve_path(target).name
+
+
 def test_a_packed_model_can_be_deep_copied_and_pickled(target):
     import copy
     import io
