@@ -28,8 +28,9 @@ from torch import Tensor, nn
 
 from headway.heads.base import DraftHead, TargetFeatures, register_head
 from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, TargetDistribution, copy_target_layer,
-                                  feature_regression, head_loss, learnt_queries, masked_mean, new_decoder_layer, positive_int, require,
-                                  resolve_options, rotary, scatter_rows, top_k_cross_entropy, unrolled_accuracy)
+                                  feature_regression, head_loss, learnt_queries, masked_mean, new_decoder_layer,
+                                  positive_int, require, resolve_options, rotary, scatter_rows, top_k_cross_entropy,
+                                  unrolled_accuracy)
 
 DEFAULTS = dict(feature_weight=1.0, token_weight=0.1, noise=0.2, ttt_steps=1, step_decay=0.8, eval_depths=4,
                 train_vocab=None, init_layer="random", top_k_weight=0.0, top_k=10, target_temperature=1.0)

@@ -43,9 +43,9 @@ from torch import Tensor, nn
 
 from headway.heads.base import DraftHead, TargetFeatures, check_layer_ids, most_frequent, register_head
 from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, TargetDistribution, copy_target_layer,
-                                  feature_regression, head_loss, learnt_queries, masked_mean, new_decoder_layer, new_rms_norm,
-                                  positive_int, require, resolve_options, rotary, scatter_rows, top_k_cross_entropy,
-                                  unrolled_accuracy)
+                                  feature_regression, head_loss, learnt_queries, masked_mean, new_decoder_layer,
+                                  new_rms_norm, positive_int, require, resolve_options, rotary, scatter_rows,
+                                  top_k_cross_entropy, unrolled_accuracy)
 
 DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4,
                 init_layer="random", norm_before_fc=False, norm_before_residual=False, norm_output=False,
@@ -184,7 +184,7 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         # target's x_{t+2} logits [n, Vd] on the draft vocab, sharpened (< 1) or flattened (> 1) by
         # target_temperature
         p_next = self.target_train_logits(feats, at_next) / o["target_temperature"]
-        target = TargetDistribution(p_next)  # [n, Vt] once, shared by every step's loss
+        target = TargetDistribution(p_next)  # [n, Vd] once, shared by every step's loss
         # [n, h] what the target's lm_head reads for x_{t+2}; only the feature regression needs it
         f_next = feats.last_hidden[at_next] if o["feature_weight"] else None
         query_pos = queries.nonzero()[:, 1]  # [n]
