@@ -40,7 +40,8 @@ from headway.heads.target import TargetSpec
 from headway.infer.measurements import measurement_path
 from headway.infer.quiet import spread, watch
 from headway.infer import panel as panel_kernel
-from headway.infer.weight_layout import PACK_BUCKETS, apply_layout, candidates, check_layout, choose_layout, current_layout, layout_path, pack_all
+from headway.infer.weight_layout import (PACK_BUCKETS, apply_layout, candidates, check_layout, choose_layout,
+                                         current_layout, layout_path, measured_name, pack_all)
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -95,9 +96,7 @@ class TreeBudget:
 
 def curve_path(target) -> Path:
     layout = current_layout(getattr(target, "model", target))  # the weight layout changes T(N) too
-    if layout == "panel":  # and so does the kernel: a curve of an older panel kernel is measured again
-        layout = f"panel-{panel_kernel.source_tag()}"
-    return measurement_path(target, layout)
+    return measurement_path(target, measured_name(layout))
 
 
 def load_curve(target) -> dict[int, float] | None:

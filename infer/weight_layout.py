@@ -101,6 +101,12 @@ def apply_layout(model: nn.Module, layout: str = "auto", target=None) -> str:
     return layout
 
 
+def measured_name(layout: str) -> str:
+    """The name a layout's timings are cached under; the panel layout's names its kernel version, so the
+    timings of an older kernel are measured again."""
+    return f"panel-{panel_kernel.source_tag()}" if layout == "panel" else layout
+
+
 def layout_path(target) -> Path:
     """Where the layout "auto" chose for this target on this machine is cached."""
     return measurement_path(target, "layout")
