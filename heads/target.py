@@ -272,7 +272,23 @@ def _load_pretrained(spec: TargetSpec, dtype: torch.dtype):
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TargetError(f"cannot load target {spec.path!r}: {first}") from exc
+    if gguf_file:  # the encoding its fp32 weights came from: the inference engine can read them from it
+        model.gguf_source = local_gguf(path, gguf_file, spec.revision)
     return model, tokenizer
+
+
+def local_gguf(path: str, gguf_file: str, revision: str | None) -> str | None:
+    """The GGUF file on this disk (a local folder's, or the hub cache's), None if not found."""
+    local = Path(path).expanduser() / gguf_file
+    if local.is_file():
+        return str(local)
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(path, gguf_file, revision=revision)
+    except ValueError:  # not a hub name either
+        return None
+    return cached if isinstance(cached, str) else None
 
 
 def save_target_folder(target: Target, folder: Path) -> None:

@@ -51,26 +51,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from headway.heads.files import write_json_atomic
+from headway.infer import blocks as blocks_kernel
 from headway.infer import panel as panel_kernel
 from headway.infer.measurements import measurement_path
 from headway.infer.quiet import spread, watch
 
-LAYOUTS = ("auto", "stock", "wide-column", "packed", "panel")
+LAYOUTS = ("auto", "stock", "wide-column", "packed", "panel", "blocks")
 MIN_GAIN = 1.03  # auto leaves the stock layout only for a score at least 3% better (timings are noisy)
 PACK_BUCKETS = (4, 8, 16, 32, 64)  # row counts with a packed copy; fewer rows than 3 run the stock GEMV
 MIN_PACKED_ROWS = 3
 SCORE_ROWS = (1, 8)  # auto's score: T(1) + T(8), a decode step plus a typical tree
-CHOICE_VERSION = 4  # cached choices from before the panel layout's prefetching kernel are measured again
+CHOICE_VERSION = 5  # cached choices from before the blocks layout existed are measured again
 
 
 def candidates(model: nn.Module) -> tuple[str, ...]:
-    """The layouts this model can run here (packed needs MKL, panel AVX-512 and a C++ compiler; both fp32
-    weights on a CPU)."""
+    """The layouts this model can run here (packed needs MKL, panel AVX-512 and a C++ compiler, blocks those
+    and a model loaded from a block-quantized GGUF file; all fp32 weights on a CPU)."""
     param = next(model.parameters())
     fp32_cpu = param.device.type == "cpu" and param.dtype == torch.float32
     packed = ("packed",) if fp32_cpu and torch.backends.mkl.is_available() else ()
     panel = ("panel",) if fp32_cpu and panel_kernel.unavailable_reason() is None else ()
-    return ("stock", "wide-column") + packed + panel
+    blocks = ("blocks",) if panel and blocks_kernel.unavailable_reason(model) is None and _blocks(model) else ()
+    return ("stock", "wide-column") + packed + panel + blocks
 
 
 def wide_linears(model: nn.Module) -> list[nn.Linear]:
@@ -90,20 +92,42 @@ def apply_layout(model: nn.Module, layout: str = "auto", target=None) -> str:
         why = panel_kernel.unavailable_reason() or "the model is not fp32 on a CPU"
         raise ValueError(f"weight_layout=panel needs fp32 weights on a CPU with AVX-512 and a C++ compiler "
                          f"({why}); use stock or packed")
+    if layout == "blocks" and layout not in candidates(model):
+        why = (panel_kernel.unavailable_reason() or blocks_kernel.unavailable_reason(model)
+               or "no Linear weight equals a Q4_1/Q8_0 tensor of its GGUF file, or the model is not fp32 on a CPU")
+        raise ValueError(f"weight_layout=blocks needs a target loaded from a block-quantized GGUF file, fp32 "
+                         f"on a CPU with AVX-512 and a C++ compiler ({why}); use panel or stock")
     for linear in _linears(model):
         _unpack(linear)
     for linear in wide_linears(model):
         weight = linear.weight.data  # [out, in]
         linear.weight.data = weight.t().contiguous().t() if layout == "wide-column" else weight.contiguous()
-    if layout in ("packed", "panel"):
-        for linear in _linears(model):
-            _pack(linear) if layout == "packed" else panel_kernel.use_panels(linear)
+    if layout in ("packed", "panel", "blocks"):
+        _route(model, layout)
     return layout
+
+
+def _route(model: nn.Module, layout: str) -> None:
+    """Every Linear's forward through `layout`'s kernel (blocks: the Linears without GGUF blocks use panels)."""
+    blocks = _blocks(model) if layout == "blocks" else {}
+    for linear in _linears(model):
+        if layout == "packed":
+            _pack(linear)
+        elif linear in blocks:
+            blocks_kernel.use_blocks(linear, blocks[linear])
+        else:
+            panel_kernel.use_panels(linear)
+
+
+def _blocks(model: nn.Module) -> dict:
+    return blocks_kernel.model_blocks(model, _linears(model))
 
 
 def measured_name(layout: str) -> str:
     """The name a layout's timings are cached under; the panel layout's names its kernel version, so the
     timings of an older kernel are measured again."""
+    if layout == "blocks":
+        return f"blocks-{blocks_kernel.source_tag()}-{panel_kernel.source_tag()}"
     return f"panel-{panel_kernel.source_tag()}" if layout == "panel" else layout
 
 
@@ -182,10 +206,8 @@ def measure_layouts(model: nn.Module, repeats: int = 5, rows=SCORE_ROWS) -> dict
             linear.weight.data = weight
         for linear in linears:
             _unpack(linear)
-            if layout == "packed":
-                _pack(linear)
-            elif layout == "panel":
-                panel_kernel.use_panels(linear)
+        if layout in ("packed", "panel", "blocks"):
+            _route(model, layout)
 
     try:
         for round_ in range(repeats + 1):  # the first round warms up (and packs the buckets used)
@@ -204,6 +226,8 @@ def measure_layouts(model: nn.Module, repeats: int = 5, rows=SCORE_ROWS) -> dict
 
 def current_layout(model: nn.Module) -> str:
     linears = _linears(model)
+    if any(blocks_kernel.uses_blocks(linear) for linear in linears):
+        return "blocks"
     if linears and all(_is_packed(linear) for linear in linears):
         return "packed"
     if linears and all(panel_kernel.uses_panels(linear) for linear in linears):

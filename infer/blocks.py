@@ -1,0 +1,225 @@
+"""The "blocks" weight layout: Linears read their weights from the target's own block-quantized GGUF encoding.
+
+A GGUF target (the embedded SmolLM2-135M is Q4_1 with a Q8_0 embedding) is dequantized by transformers to
+fp32 on load, which quadruples the bytes every decode step streams from memory. Each of those fp32 weights
+is exactly d * q + m for a per-32-element scale d, offset m (0 for Q8_0) and small integer code q, so the
+same values can be read from ~1.25 bytes per weight instead of 4 and rebuilt in registers
+(blocks_linear.cpp: the exact product d * q, then the sum rounded once, as the dequantizer computes it). The result is
+the stock forward up to the order of the fp32 sums, as with any kernel: lossless, not a quantized model.
+
+    blocks = model_blocks(model, linears)  # {linear: BlockWeights} for every Linear whose fp32 weight
+                                           # is exactly a GGUF tensor of the file the model came from
+    use_blocks(linear, blocks[linear])
+
+Matching is by value, not by name: each GGUF tensor's dequantized rows are fingerprinted and every Linear
+looks its rows up (transformers reorders the rows of q_proj/k_proj for its rotary convention); a Linear is
+used only when all its rows equal a GGUF tensor's rows bit for bit. 1..MAX_ROWS rows (a decode step, a tree)
+run through the kernel; prefill, autograd and a weight changed since take the stock F.linear. Models not
+loaded from a GGUF file, or without a compiler or AVX-512, simply do not offer the layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headway.infer.panel import to_panels
+
+SOURCE = Path(__file__).with_name("blocks_linear.cpp")
+BLOCK = 32  # weights per scale (GGUF's Q4_1 and Q8_0 block size)
+MAX_ROWS = 32  # above this the stock GEMM (compute-bound prefill) wins
+SOURCE_ATTR = "gguf_source"  # the model attribute naming the GGUF file it was loaded from (heads.target)
+
+
+@dataclass
+class BlockWeights:
+    """One Linear's weight as panels of codes: W[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32]."""
+
+    codes: torch.Tensor  # [P, K, 48] int8
+    scales: torch.Tensor  # [P, K/32, 48] fp32
+    offsets: torch.Tensor  # [P, K/32, 48] fp32
+    stamp: tuple[int, int]  # (data_ptr, _version) of the fp32 weight they equal
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+
+# ------------------------------------------------------------------------------------------- kernel
+
+def unavailable_reason(model: nn.Module | None = None) -> str | None:
+    """None when the layout can run here (for `model`: loaded from a GGUF file), else why not (one line)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return f"needs AVX-512 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+    if model is not None and gguf_source(model) is None:
+        return "the target was not loaded from a GGUF file"
+    try:
+        kernel()
+    except Exception as exc:  # no compiler, no headers, a failed build: the layout is just not offered
+        return f"could not build its kernel ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    return None
+
+
+@lru_cache(maxsize=1)
+def kernel():
+    """The compiled extension (built once per source version and torch build, then loaded from disk)."""
+    from torch.utils.cpp_extension import load
+
+    os.environ.setdefault("MAX_JOBS", "2")
+    return load(name=f"headway_blocks_{source_tag()}", sources=[str(SOURCE)],  # built in $TORCH_EXTENSIONS_DIR
+                extra_cflags=["-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp"], verbose=False)
+
+
+@lru_cache(maxsize=1)
+def source_tag() -> str:
+    return hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+
+
+# ------------------------------------------------------------------------------------ GGUF blocks
+
+def gguf_source(model: nn.Module) -> Path | None:
+    path = getattr(model, SOURCE_ATTR, None)
+    return Path(path) if path and Path(path).is_file() else None
+
+
+def decode_tensor(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(codes [N, K] int8, scales [N, K/32] fp32, offsets [N, K/32] fp32) of a Q4_1 or Q8_0 GGUF tensor
+    (gguf.ReaderTensor), None for other types. Byte layouts as ggml stores them: Q4_1 blocks are
+    (f16 d, f16 m, 16 bytes: code j in the low nibble of byte j, code j + 16 in its high nibble), Q8_0 blocks
+    (f16 d, 32 int8 codes)."""
+    kind = tensor.tensor_type.name
+    if kind not in ("Q4_1", "Q8_0") or len(tensor.shape) != 2:
+        return None
+    rows = np.asarray(tensor.data)  # [N, bytes per row] uint8
+    N = rows.shape[0]
+    size = 20 if kind == "Q4_1" else 34
+    blocks = rows.reshape(N, -1, size)  # [N, K/32, size]
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_1":
+        offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        packed = blocks[..., 4:]  # [N, K/32, 16]
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)  # [N, K/32, 32]
+    else:
+        offsets = np.zeros_like(scales)
+        codes = blocks[..., 2:].copy().view(np.int8)
+    return codes.reshape(N, -1), scales, offsets
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32 as the GGUF dequantizer computes it: (d * q) + m in fp32."""
+    spread = lambda t: t.repeat_interleave(BLOCK, dim=1)  # noqa: E731  [N, K/32] -> [N, K]
+    return spread(scales) * codes.float() + spread(offsets)
+
+
+def row_keys(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32 -> [N] int64 fingerprints of the rows' bits (equal rows, equal keys)."""
+    bits = weight.contiguous().view(torch.int32).long()  # [N, K]
+    mix = torch.randint(-2**31, 2**31, (weight.shape[1],), generator=torch.Generator().manual_seed(0))
+    return (bits * mix).sum(1)
+
+
+def find_blocks(model: nn.Module, linears: list[nn.Linear]) -> dict[nn.Linear, BlockWeights]:
+    """Every one of `linears` (the model's) whose fp32 weight equals (bit for bit, rows in any order) a Q4_1/Q8_0 tensor
+    of the GGUF file it was loaded from, with that tensor's codes as panels."""
+    path = gguf_source(model)
+    if path is None:
+        return {}
+    from gguf import GGUFReader
+
+    tensors = [t for t in GGUFReader(str(path)).tensors if t.tensor_type.name in ("Q4_1", "Q8_0")]
+    owner: dict[int, int] = {}  # row key -> index of the GGUF tensor holding that row
+    for i, tensor in enumerate(tensors):
+        decoded = decode_tensor(tensor)
+        if decoded is not None:
+            for key in row_keys(dequantize(*map(torch.from_numpy, decoded))).tolist():
+                owner.setdefault(key, i)
+    found = {}
+    for linear in linears:
+        weight = linear.weight.detach()
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % BLOCK:
+            continue
+        keys = row_keys(weight)
+        index = owner.get(int(keys[0]))
+        if index is None:
+            continue
+        blocks = match(weight, keys, decode_tensor(tensors[index]))
+        if blocks is not None:
+            found[linear] = blocks
+    return found
+
+
+def match(weight: torch.Tensor, keys: torch.Tensor, decoded) -> BlockWeights | None:
+    """The tensor's codes with rows reordered to the weight's, if every row is equal bit for bit."""
+    codes, scales, offsets = (torch.from_numpy(a) for a in decoded)
+    if codes.shape != weight.shape:
+        return None
+    theirs = row_keys(dequantize(codes, scales, offsets))  # [N]
+    order = theirs.argsort()
+    at = torch.searchsorted(theirs[order], keys).clamp(max=len(order) - 1)
+    rows = order[at]  # [N] the GGUF row of each weight row
+    codes, scales, offsets = codes[rows], scales[rows], offsets[rows]
+    if not torch.equal(dequantize(codes, scales, offsets), weight):
+        return None
+    return BlockWeights(to_panels(codes), to_panels(scales), to_panels(offsets),
+                        (weight.data_ptr(), weight._version))
+
+
+# ------------------------------------------------------------------------------------------ forward
+
+def blocks_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward through the blocks kernel for 1..MAX_ROWS rows; F.linear otherwise."""
+    rows = x.numel() // linear.in_features
+    blocks = linear.block_weights
+    weight = linear.weight
+    if (not 1 <= rows <= MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32
+            or x.device.type != "cpu" or blocks.stamp != (weight.data_ptr(), weight._version)):
+        return F.linear(x, weight, linear.bias)  # prefill, training, or a weight changed since it was matched
+    flat = x.reshape(rows, linear.in_features).contiguous()  # [M, in]
+    out = kernel().blocks_linear(flat, blocks.codes, blocks.scales, blocks.offsets, linear.out_features)
+    if linear.bias is not None:
+        out += linear.bias
+    return out.reshape(*x.shape[:-1], linear.out_features)  # [..., out]
+
+
+class BlocksForward:
+    """linear.forward in the blocks layout (a plain object: the model still deep-copies and pickles)."""
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return blocks_forward(self.linear, x)
+
+
+def use_blocks(linear: nn.Linear, blocks: BlockWeights) -> None:
+    linear.block_weights = blocks
+    linear.forward = BlocksForward(linear)
+
+
+def uses_blocks(linear: nn.Linear) -> bool:
+    return isinstance(vars(linear).get("forward"), BlocksForward)
+
+
+def model_blocks(model: nn.Module, linears: list[nn.Linear]) -> dict[nn.Linear, BlockWeights]:
+    """find_blocks(model, linears), computed once per model (a few seconds: the GGUF file is read and matched) and
+    kept on it; matches whose weight has since changed are dropped."""
+    cached = getattr(model, "_block_weights", None)
+    if cached is None:
+        start = time.perf_counter()
+        cached = find_blocks(model, linears)
+        model._block_weights = cached  # a plain dict attribute: not a submodule or parameter
+        model._block_seconds = time.perf_counter() - start
+    return {linear: b for linear, b in cached.items()
+            if b.stamp == (linear.weight.data_ptr(), linear.weight._version)}
+
+
+
