@@ -21,7 +21,8 @@ beyond).
 Keys (conf/calibrate.yaml, schema CalibrateConfig): target (a conf/target preset; its fields can be
 overridden as target.path=..., target.dtype=...), weight_layout, context.
 The curve is cached in $HEADWAY_CACHE/calibration/<target>-<device>-<dtype>-<layout>.json (device: cuda, or
-cpu<threads>; layout: the engine's weight_layout, see infer.weight_layout; panel-<kernel version> for the panel layout).
+cpu<threads>; layout: the engine's weight_layout, see infer.weight_layout, with its kernel versions for panel and
+blocks).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from headway.heads.files import write_json_atomic
 from headway.heads.target import TargetSpec
 from headway.infer.measurements import measurement_path
 from headway.infer.quiet import spread, watch
+from headway.infer import blocks as blocks_kernel
 from headway.infer import panel as panel_kernel
 from headway.infer.weight_layout import (PACK_BUCKETS, apply_layout, candidates, check_layout, choose_layout,
                                          current_layout, layout_path, measured_name, pack_all)
@@ -217,6 +219,9 @@ def calibrate(cfg, out=print) -> dict[int, float]:
         if layout == "panel":
             out(f"panel: kernel ready in {panel_kernel.READY_SECONDS.get('kernel', 0.0):.1f} s (compiled once per "
                 f"machine and torch build in torch's extension folder, then loaded)")
+        if layout == "blocks":
+            out(f"blocks: {len(blocks_kernel.model_blocks(target.model, []))} Linears read from the GGUF file's "
+                f"codes, matched in {getattr(target.model, '_block_seconds', 0.0):.1f} s (once per load)")
         curves[layout] = calibrate_latency(target, context=cfg.context, force=cfg.force)
         notes[layout] = calibrate_latency.last_quality
     apply_layout(target.model, engine_layout)
