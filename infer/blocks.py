@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headway.infer.panel import to_panels
+from headway.infer.panel import from_panels, to_panels
 
 SOURCE = Path(__file__).with_name("blocks_linear.cpp")
 BLOCK = 32  # weights per scale (GGUF's Q4_1 and Q8_0 block size)
@@ -218,8 +218,22 @@ def model_blocks(model: nn.Module, linears: list[nn.Linear]) -> dict[nn.Linear, 
         cached = find_blocks(model, linears)
         model._block_weights = cached  # a plain dict attribute: not a submodule or parameter
         model._block_seconds = time.perf_counter() - start
-    return {linear: b for linear, b in cached.items()
-            if b.stamp == (linear.weight.data_ptr(), linear.weight._version)}
+    return {linear: b for linear, b in cached.items() if still_equal(linear, b)}
+
+
+def still_equal(linear: nn.Linear, blocks: BlockWeights) -> bool:
+    """Whether the blocks still equal the layer's weight; a weight moved to new storage with the same values
+    (another layout stored it column-major and back) is compared again and, if equal, stamped anew."""
+    weight = linear.weight
+    stamp = (weight.data_ptr(), weight._version)
+    if blocks.stamp == stamp:
+        return True
+    N = linear.out_features
+    rebuilt = dequantize(*(from_panels(t, N) for t in (blocks.codes, blocks.scales, blocks.offsets)))
+    if not torch.equal(rebuilt, weight.detach()):
+        return False
+    blocks.stamp = stamp
+    return True
 
 
 

@@ -71,6 +71,11 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(P, COLS, K).transpose(1, 2).contiguous()
 
 
+def from_panels(panels: torch.Tensor, N: int) -> torch.Tensor:
+    """to_panels undone: [P, K, 48] -> [N, K]."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:N]
+
+
 def panel_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear.forward through the panel kernel for MIN_ROWS..MAX_ROWS rows; F.linear otherwise."""
     rows = x.numel() // linear.in_features

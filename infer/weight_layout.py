@@ -52,6 +52,7 @@ from torch import nn
 
 from headway.heads.files import write_json_atomic
 from headway.infer import blocks as blocks_kernel
+from headway.infer.attention import use_grouped_attention
 from headway.infer import panel as panel_kernel
 from headway.infer.measurements import measurement_path
 from headway.infer.quiet import spread, watch
@@ -61,6 +62,7 @@ MIN_GAIN = 1.03  # auto leaves the stock layout only for a score at least 3% bet
 PACK_BUCKETS = (4, 8, 16, 32, 64)  # row counts with a packed copy; fewer rows than 3 run the stock GEMV
 MIN_PACKED_ROWS = 3
 SCORE_ROWS = (1, 8)  # auto's score: T(1) + T(8), a decode step plus a typical tree
+SMALL_M_KERNELS = ("panel", "blocks")  # these also run masked grouped-query attention without copies (infer.attention)
 CHOICE_VERSION = 5  # cached choices from before the blocks layout existed are measured again
 
 
@@ -104,6 +106,7 @@ def apply_layout(model: nn.Module, layout: str = "auto", target=None) -> str:
         linear.weight.data = weight.t().contiguous().t() if layout == "wide-column" else weight.contiguous()
     if layout in ("packed", "panel", "blocks"):
         _route(model, layout)
+    use_grouped_attention(model, layout in SMALL_M_KERNELS)
     return layout
 
 
@@ -126,9 +129,9 @@ def _blocks(model: nn.Module) -> dict:
 def measured_name(layout: str) -> str:
     """The name a layout's timings are cached under; the panel layout's names its kernel version, so the
     timings of an older kernel are measured again."""
-    if layout == "blocks":
-        return f"blocks-{blocks_kernel.source_tag()}-{panel_kernel.source_tag()}"
-    return f"panel-{panel_kernel.source_tag()}" if layout == "panel" else layout
+    if layout == "blocks":  # "gqa": with infer.attention's grouped-query attention
+        return f"blocks-{blocks_kernel.source_tag()}-{panel_kernel.source_tag()}-gqa"
+    return f"panel-{panel_kernel.source_tag()}-gqa" if layout == "panel" else layout
 
 
 def layout_path(target) -> Path:
@@ -208,6 +211,7 @@ def measure_layouts(model: nn.Module, repeats: int = 5, rows=SCORE_ROWS) -> dict
             _unpack(linear)
         if layout in ("packed", "panel", "blocks"):
             _route(model, layout)
+        use_grouped_attention(model, layout in SMALL_M_KERNELS)
 
     try:
         for round_ in range(repeats + 1):  # the first round warms up (and packs the buckets used)

@@ -102,14 +102,9 @@ def test_every_linear_is_matched_by_value_rows_in_any_order(target):
     found = blocks.model_blocks(target.model, _linears(target.model))
     assert set(found) == set(_linears(target.model))
     q_proj = target.model.model.layers[0].self_attn.q_proj
-    codes, scales, offsets = (panel_rows(t, q_proj.out_features) for t in
+    codes, scales, offsets = (panel.from_panels(t, q_proj.out_features) for t in
                               (found[q_proj].codes, found[q_proj].scales, found[q_proj].offsets))
     assert torch.equal(blocks.dequantize(codes, scales, offsets), q_proj.weight)  # the file's rows reversed back
-
-
-def panel_rows(panels: torch.Tensor, N: int) -> torch.Tensor:
-    """[P, K, 48] -> [N, K] (to_panels undone)."""
-    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:N]
 
 
 def test_a_weight_that_differs_in_one_value_is_not_matched(target):
@@ -144,6 +139,17 @@ def test_a_weight_changed_after_matching_takes_the_stock_path(target):
     with torch.no_grad():
         linear.weight.mul_(2)
         torch.testing.assert_close(linear(x), x @ linear.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_survive_a_round_trip_through_other_layouts(target):
+    """wide-column stores some weights column-major and stock copies them back: new storage, same values."""
+    model = target.model
+    apply_layout(model, "blocks")
+    for layout in ("wide-column", "packed", "stock", "blocks"):
+        apply_layout(model, layout)
+    linears = _linears(model)
+    assert all(blocks.uses_blocks(l) for l in linears)
+    assert all(l.block_weights.stamp == (l.weight.data_ptr(), l.weight._version) for l in linears)
 
 
 def test_without_a_gguf_file_the_layout_is_not_offered_and_asking_is_one_clear_error():
