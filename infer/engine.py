@@ -25,8 +25,8 @@ target's max_position_embeddings, or a KV pool capped by `max_cache_tokens` runn
 Constructor: Engine(target, drafter=None, *, block_size=16, budget="auto", eos_token_id=None,
 max_cache_tokens=None, weight_layout="auto"); `target` is a heads.target.Target (or a bare HF causal LM).
 Drafters keep state per generate() call, so one drafter object can serve many calls but not two engines
-at once. On a CPU the engine may store the target's wide Linear weights column-major (infer.weight_layout:
-a faster decode step, same values).
+at once. On a CPU the engine runs the target's Linear layers in the fastest measured weight layout
+(infer.weight_layout: for a GGUF target, its own block codes; same values, a faster decode step and tree).
 
 One decoding step (gpt-fast style, everything vectorised over the batch):
     plain:        cache.prepare(1) -> target(last token) -> warp -> sample

@@ -14,6 +14,8 @@ project's reference CPU (2 cores, AVX-512, fp32; every Linear of SmolLM2-135M in
     inductor max-autotune     22.2      -      -   40.3      -    (torch.compile, freezing, C++ GEMM
                                                                    template; ~1 min compile per shape)
     panel (infer/panel.py)    20.8   22.1   24.3   27.7   35.9
+    blocks (infer/blocks.py)  11.7   12.0   12.4   14.5   22.1    (a GGUF target's codes; the real weights,
+                                                                   scripts/bench_layouts.py)
 
 The layouts (same values, same modules, same transformers code; only how F.linear reaches the weights):
   stock        as loaded (row-major [out, in])
@@ -27,6 +29,12 @@ The layouts (same values, same modules, same transformers code; only how F.linea
                laid out as 48-column panels, streamed once per call whatever the row count, and one
                row through the stock GEMV (infer/panel.py; compiled on first use, one more copy of the
                weights in memory)
+  blocks       a target loaded from a block-quantized GGUF file: every Linear whose fp32 weight is exactly
+               one of the file's Q4_1/Q8_0 tensors runs 1..32 rows through a kernel that reads the codes
+               (1.25 bytes per weight) and rebuilds the same fp32 values in registers (infer/blocks.py);
+               the other Linears as in panel
+               panel and blocks also run masked grouped-query attention without per-head copies
+               (infer/attention.py); the other layouts keep the model's own attention
   auto         on a CPU, the layout with the least T(1) + T(8) (a decode step plus a typical tree),
                measured once per target, threads and dtype while the machine is quiet (infer.quiet), and
                cached beside the T(N) curve; stock elsewhere (cuBLAS reads every layout at full speed)
