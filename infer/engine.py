@@ -56,6 +56,7 @@ from headway.infer.kv_cache import CacheFullError, PagedKVCache  # noqa: F401  (
 from headway.heads.sampling import is_greedy, sample, warp_probs
 from headway.infer.tree import ancestor_mask, attention_mask, causal_ancestors, depths
 from headway.infer.verify import verify_tree
+from headway.infer.payoff import DraftingGuard
 from headway.infer.weight_layout import apply_layout, current_layout
 
 
@@ -73,6 +74,7 @@ class GenerationStats:
     drafted_at_depth: list[int] = field(default_factory=list)  # row-steps that reached depth d with a draft there
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    drafting_stopped_at: int | None = None  # the step after which drafting stopped paying (infer.payoff)
 
     @property
     def tau(self) -> float:
@@ -142,7 +144,7 @@ class Engine:
 
     def __init__(self, target, drafter=None, *, block_size: int = 16, budget: TreeBudget | str = "auto",
                  eos_token_id: int | list[int] | None = None, max_cache_tokens: int | None = None,
-                 weight_layout: str = "auto"):
+                 weight_layout: str = "auto", stop_unpaid_drafting: str = "sampling"):
         """budget: a TreeBudget, or "auto" = this target's T(N) curve on this machine, cached on disk by
         `python -m headway.infer.calibrate` or measured (a few seconds, once) the first time a drafter runs;
         "static" = a fixed batch-size throttle only (see infer/calibrate.py).
@@ -151,12 +153,19 @@ class Engine:
         weight_layout: how the target's Linear weights lie in memory (infer.weight_layout): "auto" = on a
         CPU the layout with the faster decode step here (measured once, cached; the gain of the wide
         weights column-major depends on the machine, see infer.weight_layout), "stock" = as loaded,
-        "wide-column". Values never change; the layout is set in place on `target`."""
+        "wide-column". Values never change; the layout is set in place on `target`.
+        stop_unpaid_drafting: "sampling" (default) = when sampling (temperature > 0), decode plainly for the rest
+        of a generate() call once its own speculative steps show that drafting costs more than it gains
+        (infer.payoff); "always" = greedy calls too; "never". Needs the measured T(N) curve, so never with
+        budget="static" (how fixed trees are measured)."""
         self.model = target.model if hasattr(target, "model") else target
         self.tokenizer = getattr(target, "tokenizer", None)
         self.drafter = drafter
         self.block_size = block_size
         self.max_cache_tokens = max_cache_tokens
+        if stop_unpaid_drafting not in ("sampling", "always", "never"):
+            raise EngineError(f"stop_unpaid_drafting must be sampling, always or never, got {stop_unpaid_drafting!r}")
+        self.stop_unpaid_drafting = stop_unpaid_drafting
         if budget not in ("auto", "static") and not isinstance(budget, TreeBudget):
             raise EngineError(f"budget must be a TreeBudget, 'auto' or 'static', got {budget!r}")
         self.target, self._budget = target, budget
@@ -260,14 +269,33 @@ class _Run:
         self.stats = GenerationStats()
         wanted = drafter.feature_layers() if drafter else []  # hidden states only for drafters that read them
         self.layers = sorted(set(wanted) | {engine.num_layers}) if wanted else []
+        self.guard = self.drafting_guard()
+        self.forward_s = 0.0  # the last speculative step's target forward
+
+    def drafting_guard(self) -> DraftingGuard | None:
+        when = self.e.stop_unpaid_drafting
+        if not self.drafter or when == "never" or (when == "sampling" and self.greedy):
+            return None
+        budget = self.e.budget
+        if not budget.curve:
+            return None
+        return DraftingGuard(budget.latency(self.B * self.nodes) / budget.latency(self.B))
 
     def generate(self) -> GenerationOutput:
         t0 = time.perf_counter()
         root = self.prefill()
         t1 = time.perf_counter()
-        step = self.speculative_step if self.drafter else self.plain_step
         while not bool(self.done.all()):
-            root = step(root)
+            if self.drafter is None:
+                root = self.plain_step(root)
+                continue
+            start = time.perf_counter()
+            root = self.speculative_step(root)
+            if self.guard is not None:
+                self.guard.record(time.perf_counter() - start, self.forward_s)
+                if not self.guard.pays(self.stats.tau):  # the rest of this call decodes plainly
+                    self.drafter = None
+                    self.stats.drafting_stopped_at = self.stats.target_forwards
         t2 = time.perf_counter()
         tokens = [self.out[b, :int(self.count[b])].tolist() for b in range(self.B)]
         self.stats.new_tokens = sum(len(t) for t in tokens)
@@ -309,8 +337,10 @@ class _Run:
         depth = depths(anc)
         start = self.cache.lengths
         pos = start[:, None] + depth  # [B, N]
+        start = time.perf_counter()
         plan, out = self.e.forward(self.cache, tokens.clamp(min=0), torch.full((self.B,), n), anc, pos, 0,
                                    hidden=bool(self.layers))
+        self.forward_s = time.perf_counter() - start
         logits = out.logits.float()  # [B, N, V]
         dev = logits.device  # verify where the logits are; the cache's bookkeeping stays on the host
         if self.greedy:

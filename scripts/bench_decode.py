@@ -134,7 +134,7 @@ def measure(args, methods, prompts, temperature) -> list[dict]:
     tokens = {m: 0 for m in methods}
     seconds = {m: 0.0 for m in methods}
     emitted, steps = {m: 0 for m in methods}, {m: 0 for m in methods}
-    same = {m: 0 for m in methods}
+    same, stopped = {m: 0 for m in methods}, {m: 0 for m in methods}
     for i, (_, ids) in enumerate(prompts):
         outs = {}
         for name, run in methods.items():
@@ -144,6 +144,7 @@ def measure(args, methods, prompts, temperature) -> list[dict]:
             if stats is not None:
                 emitted[name] += stats.emitted
                 steps[name] += stats.row_steps
+                stopped[name] += stats.drafting_stopped_at is not None
         for name, out in outs.items():
             same[name] += int(out == outs["headway_plain"])
     hf_tps = tokens["hf_generate"] / seconds["hf_generate"]
@@ -153,7 +154,8 @@ def measure(args, methods, prompts, temperature) -> list[dict]:
         rows.append({"temperature": temperature, "method": name, "tokens": tokens[name], "tokens/s": tps,
                      "tau": emitted[name] / steps[name] if steps[name] else None,
                      "vs hf_generate": tps / hf_tps,
-                     "same as plain": f"{same[name]}/{len(prompts)}" if temperature == 0 else None})
+                     "same as plain": f"{same[name]}/{len(prompts)}" if temperature == 0 else None,
+                     "drafting stopped": f"{stopped[name]}/{len(prompts)}" if steps[name] else None})
     return rows
 
 
@@ -175,7 +177,8 @@ def main(argv=None) -> None:
     for temperature in args.temperatures:
         rows += measure(args, methods, prompts, temperature)
     bc.print_table(rows, "\n(tau: tokens per target forward; same as plain: greedy outputs equal to the "
-                         "engine's plain decoding)")
+                         "engine's plain decoding; drafting stopped: prompts on which the engine stopped drafting "
+                         "because it did not pay, infer/payoff.py)")
     for temperature in args.temperatures:
         at = {r["method"]: r["vs hf_generate"] for r in rows if r["temperature"] == temperature}
         heads = {m: v for m, v in at.items() if m not in FIXED}
