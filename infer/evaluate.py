@@ -221,7 +221,8 @@ class Tally:
 
 def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]], out=print):
     """Run every method on every prompt; -> (overall Tally, {category: Tally}, greedy matches)."""
-    spec = Engine(target, drafter, budget=cfg.budget, weight_layout=cfg.weight_layout)
+    # drafting on every step even when sampling: tau and acceptance measure the head, not the engine's guard
+    spec = Engine(target, drafter, budget=cfg.budget, weight_layout=cfg.weight_layout, stop_unpaid_drafting="never")
     plain = Engine(target, weight_layout=cfg.weight_layout)
     sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                     top_p=cfg.top_p)
