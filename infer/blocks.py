@@ -21,6 +21,7 @@ loaded from a GGUF file, or without a compiler or AVX-512, simply do not offer t
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ SOURCE = Path(__file__).with_name("blocks_linear.cpp")
 BLOCK = 32  # weights per scale (GGUF's Q4_1 and Q8_0 block size)
 MAX_ROWS = 32  # above this the stock GEMM (compute-bound prefill) wins
 SOURCE_ATTR = "gguf_source"  # the model attribute naming the GGUF file it was loaded from (heads.target)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -135,7 +137,11 @@ def find_blocks(model: nn.Module, linears: list[nn.Linear]) -> dict[nn.Linear, B
         return {}
     from gguf import GGUFReader
 
-    tensors = [t for t in GGUFReader(str(path)).tensors if t.tensor_type.name in ("Q4_1", "Q8_0")]
+    try:
+        tensors = [t for t in GGUFReader(str(path)).tensors if t.tensor_type.name in ("Q4_1", "Q8_0")]
+    except (OSError, ValueError) as exc:  # replaced or damaged since the model was loaded: no blocks, no crash
+        log.warning("blocks layout unavailable: cannot read %s (%s)", path, str(exc).splitlines()[0] if str(exc) else exc)
+        return {}
     owner: dict[int, int] = {}  # row key -> index of the GGUF tensor holding that row
     for i, tensor in enumerate(tensors):
         decoded = decode_tensor(tensor)
@@ -203,6 +209,8 @@ class BlocksForward:
 def use_blocks(linear: nn.Linear, blocks: BlockWeights) -> None:
     linear.block_weights = blocks
     linear.forward = BlocksForward(linear)
+    for copy in ("panels", "panel_stamp"):  # a panel layout's fp32 copy, if one was made: not needed now
+        vars(linear).pop(copy, None)
 
 
 def uses_blocks(linear: nn.Linear) -> bool:

@@ -164,3 +164,22 @@ def test_the_gguf_file_of_a_local_folder_is_found(tmp_path):
     assert local_gguf(str(tmp_path), "m.gguf", None) == str(tmp_path / "m.gguf")
     assert local_gguf(str(tmp_path), "other.gguf", None) is None
     assert local_gguf("./no/such/folder", "m.gguf", None) is None
+
+
+def test_a_gguf_file_that_cannot_be_read_offers_no_blocks_and_does_not_crash(tmp_path):
+    target = load_target({"path": "tiny-random", "name": "tiny-random"})
+    (tmp_path / "damaged.gguf").write_bytes(b"GGUF" + bytes(60))
+    target.model.gguf_source = str(tmp_path / "damaged.gguf")
+    assert "blocks" not in candidates(target.model)
+    assert Engine(target).generate([[5, 6, 7]], max_new_tokens=3).tokens  # auto picks among the others
+
+
+def test_switching_to_blocks_drops_the_panel_copies(target):
+    apply_layout(target.model, "panel")
+    assert all("panels" in vars(l) for l in _linears(target.model))
+    apply_layout(target.model, "blocks")
+    assert not any("panels" in vars(l) for l in _linears(target.model))
+    apply_layout(target.model, "panel")  # made again when needed
+    with torch.inference_mode():
+        target.model(input_ids=torch.tensor([[5, 6, 7, 8]]))
+    assert all("panels" in vars(l) for l in _linears(target.model))
