@@ -23,7 +23,8 @@ Errors: EngineError (bad arguments, empty prompt), CacheFullError (prompt + max_
 target's max_position_embeddings, or a KV pool capped by `max_cache_tokens` running out).
 
 Constructor: Engine(target, drafter=None, *, block_size=16, budget="auto", eos_token_id=None,
-max_cache_tokens=None, weight_layout="auto"); `target` is a heads.target.Target (or a bare HF causal LM).
+max_cache_tokens=None, weight_layout="auto", stop_unpaid_drafting="sampling"); `target` is a heads.target.Target
+(or a bare HF causal LM).
 Drafters keep state per generate() call, so one drafter object can serve many calls but not two engines
 at once. On a CPU the engine runs the target's Linear layers in the fastest measured weight layout
 (infer.weight_layout: for a GGUF target, its own block codes; same values, a faster decode step and tree).
@@ -337,10 +338,12 @@ class _Run:
         depth = depths(anc)
         start = self.cache.lengths
         pos = start[:, None] + depth  # [B, N]
-        start = time.perf_counter()
+        began = time.perf_counter()
         plan, out = self.e.forward(self.cache, tokens.clamp(min=0), torch.full((self.B,), n), anc, pos, 0,
                                    hidden=bool(self.layers))
-        self.forward_s = time.perf_counter() - start
+        if self.guard is not None and self.e.device.type == "cuda":
+            torch.cuda.synchronize(self.e.device)  # the forward's time, not its launch's (the guard compares them)
+        self.forward_s = time.perf_counter() - began
         logits = out.logits.float()  # [B, N, V]
         dev = logits.device  # verify where the logits are; the cache's bookkeeping stays on the host
         if self.greedy:

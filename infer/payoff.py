@@ -23,7 +23,7 @@ from dataclasses import dataclass
 @dataclass
 class DraftingGuard:
     tree_cost: float  # T(B x N) / T(B): one tree's forward in plain forwards
-    min_steps: int = 16  # speculative steps measured before judging (after 8, replies that went on to pay were stopped)
+    min_steps: int = 16  # speculative steps measured before judging (the first steps of a reply are noisy)
     steps: int = 0
     step_s: float = 0.0  # wall time of the speculative steps
     forward_s: float = 0.0  # of which the target's forwards
