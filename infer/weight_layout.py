@@ -135,8 +135,8 @@ def _blocks(model: nn.Module) -> dict:
 
 
 def measured_name(layout: str) -> str:
-    """The name a layout's timings are cached under; the panel layout's names its kernel version, so the
-    timings of an older kernel are measured again."""
+    """The name a layout's timings are cached under; panel's and blocks' name their kernel versions (and the
+    attention they run), so the timings of an older kernel are measured again."""
     if layout == "blocks":  # "gqa": with infer.attention's grouped-query attention
         return f"blocks-{blocks_kernel.source_tag()}-{panel_kernel.source_tag()}-gqa"
     return f"panel-{panel_kernel.source_tag()}-gqa" if layout == "panel" else layout
