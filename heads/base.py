@@ -271,13 +271,18 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
             logits = linear(hidden)
             return logits if row_ids is None else _scatter_vocab(logits, row_ids, V)
         weight = linear.weight
-        key = (weight.data_ptr(), tuple(weight.shape))
+        # a weight layout may run a subset of the layer's rows through its own kernel (infer.blocks: the
+        # target's read-out from its GGUF codes); then the kept rows are read from there, else as fp32 copies
+        restrict = getattr(vars(linear).get("forward"), "restricted", None)
+        key = (weight.data_ptr(), tuple(weight.shape), restrict is not None)
         if key not in self._rows:  # once per matrix: the kept rows, contiguous, and the ids they score
             ids = torch.arange(weight.shape[0]) if row_ids is None else row_ids.cpu()
             keep = torch.isin(ids, self.draft_vocab).nonzero()[:, 0]
-            self._rows[key] = (weight[keep.to(weight.device)].contiguous(), ids[keep].to(weight.device))
+            rows = restrict(keep) if restrict is not None else weight[keep.to(weight.device)].contiguous()
+            self._rows[key] = (rows, ids[keep].to(weight.device))
         rows, ids = self._rows[key]
-        return _scatter_vocab(hidden @ rows.T, ids, V)
+        logits = rows(hidden) if callable(rows) else hidden @ rows.T  # [..., R]
+        return _scatter_vocab(logits, ids, V)
 
     # ---------------------------------------------------------------------- training vocabulary
     # A draft can only be accepted if the drafter proposes the target's token, and at inference drafts

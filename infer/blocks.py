@@ -205,6 +205,32 @@ class BlocksForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return blocks_forward(self.linear, x)
 
+    def restricted(self, rows: torch.Tensor) -> "RowSubset":
+        """The layer restricted to output rows `rows` [R] (a head's draft vocabulary of the read-out)."""
+        return RowSubset(self.linear, rows)
+
+
+class RowSubset:
+    """x -> x @ W[rows].T through the blocks kernel on those rows' codes; F.linear on the fp32 rows where the
+    kernel does not apply (more rows than MAX_ROWS, autograd, a changed weight)."""
+
+    def __init__(self, linear: nn.Linear, rows: torch.Tensor):
+        self.linear, self.rows = linear, rows
+        blocks, N = linear.block_weights, linear.out_features
+        codes, scales, offsets = (from_panels(t, N)[rows] for t in (blocks.codes, blocks.scales, blocks.offsets))
+        self.blocks = BlockWeights(to_panels(codes), to_panels(scales), to_panels(offsets), blocks.stamp)
+        self.weight = linear.weight.detach()[rows].contiguous()  # [R, in] the fallback
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., R]
+        n = x.numel() // self.linear.in_features
+        weight = self.linear.weight
+        if (not 1 <= n <= MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
+                or self.blocks.stamp != (weight.data_ptr(), weight._version)):
+            return F.linear(x, self.weight)
+        flat = x.reshape(n, self.linear.in_features).contiguous()
+        out = kernel().blocks_linear(flat, self.blocks.codes, self.blocks.scales, self.blocks.offsets, len(self.rows))
+        return out.reshape(*x.shape[:-1], len(self.rows))
+
 
 def use_blocks(linear: nn.Linear, blocks: BlockWeights) -> None:
     linear.block_weights = blocks

@@ -183,3 +183,24 @@ def test_switching_to_blocks_drops_the_panel_copies(target):
     with torch.inference_mode():
         target.model(input_ids=torch.tensor([[5, 6, 7, 8]]))
     assert all("panels" in vars(l) for l in _linears(target.model))
+
+
+def test_a_heads_draft_vocabulary_reads_the_target_read_out_from_its_codes(target):
+    """EAGLE drafts through the target's LM head restricted to its draft vocabulary: under the blocks layout
+    those rows come from the GGUF codes (the same values), through the kernel."""
+    from headway.heads.base import build_head
+
+    head = build_head("eagle", target).eval()
+    head.set_draft_vocab(40)
+    hidden = torch.randn(2, 3, target.model.config.hidden_size)  # [B, T, h]
+    lm_head = head.frozen["lm_head"]
+    with torch.inference_mode():
+        expected = head.readout(hidden, lm_head)  # [B, T, V]: fp32 rows, stock layout
+        apply_layout(target.model, "blocks")
+        logits = head.readout(hidden, lm_head)
+    subsets = [rows for rows, _ in head._rows.values() if isinstance(rows, blocks.RowSubset)]
+    assert len(subsets) == 1 and len(subsets[0].rows) == 40
+    kept = torch.isfinite(expected) & (expected > torch.finfo(expected.dtype).min)  # the draft vocabulary's slots
+    assert int(kept.sum()) == 2 * 3 * 40
+    torch.testing.assert_close(logits[kept], expected[kept], rtol=1e-5, atol=1e-5)
+    assert torch.equal(kept, torch.isfinite(logits) & (logits > torch.finfo(logits.dtype).min))
