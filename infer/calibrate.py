@@ -207,7 +207,10 @@ def calibrate(cfg, out=print) -> dict[int, float]:
     target = load_target(OmegaConf.to_object(cfg.target))
     if cfg.force and cfg.weight_layout == "auto":
         choose_layout(target, force=True)
-    engine_layout = apply_layout(target.model, cfg.weight_layout, target)
+    try:
+        engine_layout = apply_layout(target.model, cfg.weight_layout, target)
+    except ValueError as exc:  # a layout this target or machine cannot run
+        raise CalibrateError(str(exc)) from None
     out(f"weight layout: {engine_layout}" + _layout_times(target))
     layouts = [engine_layout] + [l for l in candidates(target.model) if cfg.compare and l != engine_layout]
     curves, notes = {}, {}
@@ -220,7 +223,8 @@ def calibrate(cfg, out=print) -> dict[int, float]:
             out(f"panel: kernel ready in {panel_kernel.READY_SECONDS.get('kernel', 0.0):.1f} s (compiled once per "
                 f"machine and torch build in torch's extension folder, then loaded)")
         if layout == "blocks":
-            out(f"blocks: {len(blocks_kernel.model_blocks(target.model, []))} Linears read from the GGUF file's "
+            read = sum(blocks_kernel.uses_blocks(module) for module in target.model.modules())
+            out(f"blocks: {read} Linears read from the GGUF file's "
                 f"codes, matched in {getattr(target.model, '_block_seconds', 0.0):.1f} s (once per load)")
         curves[layout] = calibrate_latency(target, context=cfg.context, force=cfg.force)
         notes[layout] = calibrate_latency.last_quality

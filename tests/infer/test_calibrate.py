@@ -118,6 +118,7 @@ def test_the_busy_machine_detector_sees_another_process():
     (["target=nope"], "nope"),
     (["target=tiny-random", "weight_layout=rows"], "weight_layout"),
     (["target=tiny-random", "context=0"], "context"),
+    (["target=tiny-random", "weight_layout=blocks"], "weight_layout=blocks"),  # not loaded from a GGUF file
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, named, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path))
