@@ -20,9 +20,7 @@ loaded from a GGUF file, or without a compiler or AVX-512, simply do not offer t
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -33,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headway.infer.panel import from_panels, to_panels
+from headway.infer.panel import build_extension, from_panels, kernel_tag, to_panels
 
 SOURCE = Path(__file__).with_name("blocks_linear.cpp")
 BLOCK = 32  # weights per scale (GGUF's Q4_1 and Q8_0 block size)
@@ -74,16 +72,12 @@ def unavailable_reason(model: nn.Module | None = None) -> str | None:
 @lru_cache(maxsize=1)
 def kernel():
     """The compiled extension (built once per source version and torch build, then loaded from disk)."""
-    from torch.utils.cpp_extension import load
-
-    os.environ.setdefault("MAX_JOBS", "2")
-    return load(name=f"headway_blocks_{source_tag()}", sources=[str(SOURCE)],  # built in $TORCH_EXTENSIONS_DIR
-                extra_cflags=["-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp"], verbose=False)
+    return build_extension("headway_blocks", SOURCE, ("-ffp-contract=off",))
 
 
 @lru_cache(maxsize=1)
 def source_tag() -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    return kernel_tag(SOURCE)
 
 
 # ------------------------------------------------------------------------------------ GGUF blocks
@@ -118,8 +112,7 @@ def decode_tensor(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """[N, K] fp32 as the GGUF dequantizer computes it: (d * q) + m in fp32."""
-    spread = lambda t: t.repeat_interleave(BLOCK, dim=1)  # noqa: E731  [N, K/32] -> [N, K]
-    return spread(scales) * codes.float() + spread(offsets)
+    return scales.repeat_interleave(BLOCK, dim=1) * codes.float() + offsets.repeat_interleave(BLOCK, dim=1)
 
 
 def row_keys(weight: torch.Tensor) -> torch.Tensor:

@@ -9,15 +9,13 @@
 // k-step instead of 192 (fp32), so a decode step reads ~1.2 bytes per weight: the weights of a small model
 // stay in the last-level cache, and M rows cost one decode of each weight vector per pass of 8 rows.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
+
+#include "panel_rows.h"
 
 namespace {
 
-constexpr int VECS = 3;             // zmm accumulators per row
-constexpr int COLS = 16 * VECS;     // output features per panel
-constexpr int BLOCK = 32;           // k-steps per scale/offset (GGUF's block size)
-constexpr int MAX_ROWS = 8;         // rows per pass over a panel (3 x 8 accumulators)
+using namespace panel_rows;
+constexpr int BLOCK = 32;            // k-steps per scale/offset (GGUF's block size)
 constexpr int PREFETCH = 16 * COLS;  // bytes ahead: 16 k-steps of codes
 
 inline __m512 codes(const int8_t* q) {  // 16 int8 codes -> 16 floats
@@ -28,8 +26,7 @@ template <int ROWS>
 inline void panel_pass(const float* x, int64_t K, const int8_t* q, const float* d, const float* m, float* y,
                        int64_t N, int64_t valid) {
   __m512 acc[ROWS][VECS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int v = 0; v < VECS; ++v) acc[r][v] = _mm512_setzero_ps();
+  zero<ROWS>(acc);
   for (int64_t k0 = 0; k0 < K; k0 += BLOCK) {
     const float* db = d + (k0 / BLOCK) * COLS;
     const float* mb = m + (k0 / BLOCK) * COLS;
@@ -38,23 +35,12 @@ inline void panel_pass(const float* x, int64_t K, const int8_t* q, const float* 
     for (int64_t k = k0; k < k0 + BLOCK; ++k) {
       const int8_t* qk = q + k * COLS;
       _mm_prefetch(reinterpret_cast<const char*>(qk + PREFETCH), _MM_HINT_T0);
-      const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(d0, codes(qk)), m0);
-      const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(d1, codes(qk + 16)), m1);
-      const __m512 w2 = _mm512_add_ps(_mm512_mul_ps(d2, codes(qk + 32)), m2);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512 xr = _mm512_set1_ps(x[r * K + k]);
-        acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
-        acc[r][2] = _mm512_fmadd_ps(xr, w2, acc[r][2]);
-      }
+      multiply_add<ROWS>(acc, x, K, k, _mm512_add_ps(_mm512_mul_ps(d0, codes(qk)), m0),
+                         _mm512_add_ps(_mm512_mul_ps(d1, codes(qk + 16)), m1),
+                         _mm512_add_ps(_mm512_mul_ps(d2, codes(qk + 32)), m2));
     }
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int v = 0; v < VECS; ++v) {
-      const int64_t left = valid - 16 * v;  // the last panel may hold fewer than 48 real outputs
-      if (left >= 16) _mm512_storeu_ps(y + r * N + 16 * v, acc[r][v]);
-      else if (left > 0) _mm512_mask_storeu_ps(y + r * N + 16 * v, static_cast<__mmask16>((1u << left) - 1), acc[r][v]);
-    }
+  store<ROWS>(acc, y, N, valid);
 }
 
 using Pass = void (*)(const float*, int64_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t);
@@ -82,15 +68,8 @@ torch::Tensor blocks_linear(const torch::Tensor& x, const torch::Tensor& q, cons
   const float* ms = m.data_ptr<float>();
   float* ys = y.data_ptr<float>();
   const int64_t scales = (K / BLOCK) * COLS;  // floats of d (and of m) per panel
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t valid = std::min<int64_t>(COLS, N - p * COLS);
-      for (int64_t r = 0; r < M; r += MAX_ROWS) {
-        const int64_t rows = std::min<int64_t>(MAX_ROWS, M - r);
-        PASSES[rows](xs + r * K, K, qs + p * K * COLS, ds + p * scales, ms + p * scales, ys + r * N + p * COLS,
-                     N, valid);
-      }
-    }
+  for_each_pass(P, M, N, [&](int64_t p, int64_t r, int64_t rows, int64_t valid) {
+    PASSES[rows](xs + r * K, K, qs + p * K * COLS, ds + p * scales, ms + p * scales, ys + r * N + p * COLS, N, valid);
   });
   return y;
 }

@@ -24,6 +24,7 @@ from torch import nn
 
 
 SOURCE = Path(__file__).with_name("panel_linear.cpp")
+SHARED_HEADER = Path(__file__).with_name("panel_rows.h")  # what this kernel and the blocks kernel share
 COLS = 48  # output features per panel (3 AVX-512 vectors)
 MIN_ROWS, MAX_ROWS = 2, 32  # one row: MKL's GEMV; above 32 the stock GEMM wins (compute-bound prefill)
 
@@ -45,21 +46,32 @@ READY_SECONDS: dict[str, float] = {}  # how long this process waited for the ker
 @lru_cache(maxsize=1)
 def kernel():
     """The compiled extension (built once per source version and torch build, then loaded from disk)."""
-    from torch.utils.cpp_extension import load
-
     start = time.perf_counter()
-    os.environ.setdefault("MAX_JOBS", "2")
-    module = load(name=f"headway_panel_{source_tag()}", sources=[str(SOURCE)],  # built in $TORCH_EXTENSIONS_DIR
-                  extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"], verbose=False)
+    module = build_extension("headway_panel", SOURCE)
     READY_SECONDS["kernel"] = time.perf_counter() - start
     return module
 
 
 @lru_cache(maxsize=1)
 def source_tag() -> str:
-    """Names this version of the kernel (its source and the torch build): a new kernel is built again, and
-    timings measured with an older one are not reused."""
-    return hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    return kernel_tag(SOURCE)
+
+
+def kernel_tag(source: Path) -> str:
+    """Names a version of a panel kernel (its source, the shared header and the torch build): a new kernel is
+    built again, and timings measured with an older one are not reused."""
+    code = source.read_bytes() + SHARED_HEADER.read_bytes()
+    return hashlib.sha256(code + torch.__version__.encode()).hexdigest()[:12]
+
+
+def build_extension(prefix: str, source: Path, extra_cflags: tuple[str, ...] = ()):
+    """A panel kernel compiled with torch's extension builder into $TORCH_EXTENSIONS_DIR (once per version,
+    then loaded from there)."""
+    from torch.utils.cpp_extension import load
+
+    os.environ.setdefault("MAX_JOBS", "2")
+    return load(name=f"{prefix}_{kernel_tag(source)}", sources=[str(source)],
+                extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp", *extra_cflags], verbose=False)
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
