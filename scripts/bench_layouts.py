@@ -38,12 +38,14 @@ def measure(model, rows: list[int], repeats: int) -> dict[str, dict[int, float]]
     return best
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m", help="a conf/target preset, or an HF model dir")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if min(args.rows) < 1 or args.repeats < 1:
+        parser.error("--rows and --repeats must be >= 1")
     target = bc.load_bench_target(args.target, "cpu", "auto")
     best = measure(target.model, args.rows, args.repeats)
     print(f"machine: {bc.machine()}; target {args.target}, {len(_linears(target.model))} Linears, fp32")

@@ -72,3 +72,15 @@ def test_bench_train_vocabulary(script, capsys):
     rows = [r for r in rows if r[2:3] == ["vocabulary"]]
     assert len(rows) == 4 and len({r[-3] for r in rows}) == 1  # same row count for both read-outs
     assert lines[-1].startswith("eagle head step, training vocabulary vs whole vocabulary")
+
+
+def test_bench_layouts(script, capsys):
+    lines = run(script("bench_layouts"), ["--target", "tiny-random", "--rows", "1", "4", "--repeats", "1"], capsys)
+    table = {line.split()[0]: line.split() for line in lines[1:-1]}
+    assert {"stock", "wide-column"} <= set(table) and table["stock"][-2:] == ["1", "1"]  # stock vs itself
+
+
+def test_bench_layouts_refuses_zero_rows(script, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        script("bench_layouts").main(["--target", "tiny-random", "--rows", "0"])
+    assert exit_.value.code == 2 and "--rows and --repeats must be >= 1" in capsys.readouterr().err
