@@ -10,7 +10,8 @@ and acceptance by depth, and CPU minutes per variant.
 A variant is `name=override[,override...]` (an empty list is the job as configured). Runs that already
 have a final/ head or an eval.json are reused, so a killed ablation continues where it stopped. The fixed
 tree is the 8-node dynamic tree (depth 3, top-3) with a static budget, so acceptance does not depend on
-this machine's speed; the chat prompts are taken round-robin over categories.
+this machine's speed; the chat prompts are taken round-robin over categories. With `cpu_threads=N` in
+--common (ablations sharing a machine, one thread each) the evaluations run on N threads as well.
 """
 
 from __future__ import annotations
@@ -53,11 +54,11 @@ def overrides(text: str) -> list[str]:
     return [o for o in parts if o]
 
 
-def cpu_minutes_of(cmd: list[str], log: Path) -> float:
+def cpu_minutes_of(cmd: list[str], log: Path, env: dict | None = None) -> float:
     """Run a command (output to `log`), fail loudly, and return the CPU minutes it used."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "w") as out:
-        done = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        done = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
     if done.returncode != 0:
         sys.exit(f"error: {' '.join(cmd)} failed (exit {done.returncode}); see {log}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -74,13 +75,23 @@ def train(args, name: str, extra: list[str]) -> tuple[Path, float | None]:
     return run, cpu_minutes_of(cmd, run / "train.log")
 
 
+def eval_env(common: str) -> dict | None:
+    """Evaluate on as many threads as training was given (`cpu_threads=N` in --common): ablations that share
+    the machine run one thread each, and a 2-thread evaluation next to a busy core waits on it (OpenMP),
+    ~10-20x slower."""
+    threads = [o.split("=", 1)[1] for o in overrides(common) if o.startswith("cpu_threads=")]
+    if not threads or not threads[-1].isdigit():
+        return None
+    return {**os.environ, "OMP_NUM_THREADS": threads[-1]}
+
+
 def evaluate(args, run: Path, prompts: str, count: int) -> dict:
     out = run / "eval" / f"{prompts}-{count}"
     if not (out / "eval.json").is_file():
         cmd = [sys.executable, "-m", "headway.infer.evaluate", f"checkpoint={run / 'final'}", f"prompts={prompts}",
                f"max_prompts={count}", f"max_new_tokens={args.max_new_tokens}", f"output={out}", *FIXED_TREE]
         out.mkdir(parents=True, exist_ok=True)
-        cpu_minutes_of(cmd, out.parent / f"{prompts}-{count}.log")
+        cpu_minutes_of(cmd, out.parent / f"{prompts}-{count}.log", eval_env(args.common))
     return json.loads((out / "eval.json").read_text())
 
 

@@ -40,3 +40,11 @@ def test_a_variant_without_the_value_is_one_clear_error(ablate, tmp_path):
 def test_a_list_value_stays_one_override(ablate):
     assert ablate.overrides("optim.lr=1e-3,optim.betas=[0.9,0.999],,optim=muon") == [
         "optim.lr=1e-3", "optim.betas=[0.9,0.999]", "optim=muon"]
+
+
+def test_evaluation_runs_on_the_threads_training_was_given(ablate, monkeypatch):
+    monkeypatch.setenv("HEADWAY_CACHE", "/somewhere")
+    env = ablate.eval_env("train.max_steps=200,cpu_threads=1")
+    assert env["OMP_NUM_THREADS"] == "1" and env["HEADWAY_CACHE"] == "/somewhere"
+    assert ablate.eval_env("train.max_steps=200") is None  # no setting: the evaluator's own default
+    assert ablate.eval_env("cpu_threads=auto") is None
