@@ -16,18 +16,21 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench_common import print_table
+import bench_common as bc
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="embedded:smollm2")
-    p.add_argument("--target-name", default="smollm2-135m")
-    p.add_argument("--batch-sizes", default="16,32,64,128")
+    p.add_argument("--target", default="smollm2-135m", help="a conf/target preset, or an HF model dir")
+    p.add_argument("--batch-sizes", default="16,32,64,128", help="multiples of 16 (the prefilled rows are copied)")
     p.add_argument("--context", type=int, default=150, help="tokens per row already in the KV cache")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    sizes = args.batch_sizes.split(",")
+    if not all(b.isdigit() and int(b) > 0 and int(b) % 16 == 0 for b in sizes) or min(args.context, args.steps) < 1:
+        p.exit(2, f"error: --batch-sizes must be multiples of 16 (got {args.batch_sizes}), --context and --steps >= 1\n")
+    return args
 
 
 def cpu_seconds(fn) -> float:
@@ -40,12 +43,11 @@ def main(argv=None) -> None:
     import torch
 
     from headway.heads.base import compute_features
-    from headway.heads.target import load_target
     from headway.train.data.decode import Tap, _Decoder
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    target = load_target({"path": args.target, "name": args.target_name})
+    target = bc.load_bench_target(args.target, "cpu", None)
     model, last = target.model, target.config.num_hidden_layers
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, target.config.vocab_size - 100, (16, args.context), generator=g).tolist()
@@ -62,12 +64,12 @@ def main(argv=None) -> None:
                 rows.append({"what": "decode step" + (" + capture" if capture else ""), "batch": b,
                              "tok/cpu-s": b * args.steps / _steps(base, b, args.steps, capture, last, Tap)})
                 print(rows[-1], flush=True)
-    print_table(rows, f"{args.target_name}, {args.context} tokens of context, {args.threads} thread(s), "
+    bc.print_table(rows, f"{args.target}, {args.context} tokens of context, {args.threads} thread(s), "
                       f"CPU time")
     decode = [r for r in rows if r["what"] == "decode step"]
     best = max(decode, key=lambda r: r["tok/cpu-s"])
-    print(f"decoding at batch {best['batch']}: {best['tok/cpu-s'] / decode[0]['tok/cpu-s']:.2f}x the tokens per "
-          f"CPU-second of batch {decode[0]['batch']}")
+    print(f"decoding tokens per CPU-second, batch {best['batch']} over batch {decode[0]['batch']}: "
+          f"{best['tok/cpu-s'] / decode[0]['tok/cpu-s']:.2f}x")
 
 
 def _steps(base, batch: int, steps: int, capture: bool, last: int, Tap) -> float:
@@ -85,6 +87,7 @@ def _steps(base, batch: int, steps: int, capture: bool, last: int, Tap) -> float
     d.fed = base.fed.repeat(repeat)
     d.mask = base.mask.repeat_interleave(repeat, 0)
     d.stopped = torch.zeros(batch, dtype=torch.bool)
+    d.done = torch.zeros(batch, dtype=torch.bool)
     d.tail, d.tail_fed = base.tail.repeat(repeat, 1), base.tail_fed.repeat(repeat)
     d.tap = Tap([last], None, None) if capture else None
     if capture:

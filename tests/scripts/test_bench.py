@@ -84,3 +84,16 @@ def test_bench_layouts_refuses_zero_rows(script, capsys):
     with pytest.raises(SystemExit) as exit_:
         script("bench_layouts").main(["--target", "tiny-random", "--rows", "0"])
     assert exit_.value.code == 2 and "--rows and --repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_datagen(script, capsys):
+    lines = run(script("bench_datagen"), ["--target", "tiny-random", "--batch-sizes", "16,32", "--context", "8",
+                                          "--steps", "2"], capsys)
+    table = [line for line in lines if "decode step" in line and not line.startswith("{")]
+    assert len(table) == 4  # two batch sizes, with and without capture
+
+
+def test_bench_datagen_refuses_a_batch_it_cannot_copy(script, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        script("bench_datagen").main(["--target", "tiny-random", "--batch-sizes", "16,24"])
+    assert exit_.value.code == 2 and "--batch-sizes must be multiples of 16" in capsys.readouterr().err
