@@ -29,7 +29,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     sizes = args.batch_sizes.split(",")
     if not all(b.isdigit() and int(b) > 0 and int(b) % 16 == 0 for b in sizes) or min(args.context, args.steps) < 1:
-        p.exit(2, f"error: --batch-sizes must be multiples of 16 (got {args.batch_sizes}), --context and --steps >= 1\n")
+        p.exit(2, f"error: --batch-sizes must be multiples of 16 (got {args.batch_sizes}), "
+                  "--context and --steps >= 1\n")
     return args
 
 
@@ -64,8 +65,7 @@ def main(argv=None) -> None:
                 rows.append({"what": "decode step" + (" + capture" if capture else ""), "batch": b,
                              "tok/cpu-s": b * args.steps / _steps(base, b, args.steps, capture, last, Tap)})
                 print(rows[-1], flush=True)
-    bc.print_table(rows, f"{args.target}, {args.context} tokens of context, {args.threads} thread(s), "
-                      f"CPU time")
+    bc.print_table(rows, f"{args.target}, {args.context} tokens of context, {args.threads} thread(s), CPU time")
     decode = [r for r in rows if r["what"] == "decode step"]
     best = max(decode, key=lambda r: r["tok/cpu-s"])
     print(f"decoding tokens per CPU-second, batch {best['batch']} over batch {decode[0]['batch']}: "
