@@ -77,8 +77,8 @@ def train(args, name: str, extra: list[str]) -> tuple[Path, float | None]:
 
 def eval_env(common: str) -> dict | None:
     """Evaluate on as many threads as training was given (`cpu_threads=N` in --common): ablations that share
-    the machine run one thread each, and a 2-thread evaluation next to a busy core waits on it (OpenMP),
-    ~10-20x slower."""
+    the machine run one thread each, and a 2-thread evaluation next to a busy core keeps waiting on it
+    (OpenMP)."""
     threads = [o.split("=", 1)[1] for o in overrides(common) if o.startswith("cpu_threads=")]
     if not threads or not threads[-1].isdigit():
         return None
