@@ -220,7 +220,10 @@ def judge(args, target_dir: Path, draft: Path, name: str) -> dict:
     if not out.is_file():
         prompts = args.out / "judge" / "prompts.json"
         prompts.parent.mkdir(parents=True, exist_ok=True)
-        prompts.write_text(json.dumps(judge_prompts(args)))
+        texts = judge_prompts(args)
+        prompts.write_text(json.dumps(texts))
+        # the same prompts for headway's own evaluator (a 3-draft chain there scores what vLLM scores)
+        prompts.with_suffix(".jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
         run([args.vllm_python, PEER_DIR / "vllm_judge.py", target_dir.resolve(), draft.resolve(),
              prompts.resolve(), out.resolve(), "--tokens", args.tokens], out.with_suffix(".log"),
             env={"VLLM_TARGET_DEVICE": "cpu"})
