@@ -9,25 +9,26 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
-def test_a_missing_data_file_is_one_clear_error_before_any_work(monkeypatch, tmp_path):
+@pytest.fixture
+def bench_peer(monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))
     sys.modules.pop("bench_peer", None)
-    bench_peer = importlib.import_module("bench_peer")
+    return importlib.import_module("bench_peer")
+
+
+def test_a_missing_data_file_is_one_clear_error_before_any_work(bench_peer, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match=r"^error: --data .*nope\.jsonl: no such file"):
         bench_peer.main(["--out", str(out), "--data", str(tmp_path / "nope.jsonl")])
     assert not out.exists()
 
 
-def test_the_judges_prompts_are_written_for_headways_evaluator_too(monkeypatch, tmp_path):
+def test_the_judges_prompts_are_written_for_headways_evaluator_too(bench_peer, monkeypatch, tmp_path):
     """prompts.jsonl beside vLLM's prompts.json: headway's evaluator (a 3-draft chain) reads the same prompts."""
     import json
 
     from headway.infer.prompt_sets import load_prompt_set
 
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    sys.modules.pop("bench_peer", None)
-    bench_peer = importlib.import_module("bench_peer")
     args = bench_peer.parse_args(["--out", str(tmp_path)])
     args.vllm_python = sys.executable
 
