@@ -260,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _layout_times(target) -> str:
     try:
-        times = json.loads(layout_path(target).read_text())["forward_s"]
-        return " (auto's score T(1) + T(8): " + ", ".join(
-            f"{k} {sum(v.values()) * 1e3:.1f} ms" for k, v in times.items()) + ")"
+        record = json.loads(layout_path(target).read_text())
+        return f" (auto's score {record.get('score', 'T(1) + T(8)')}: " + ", ".join(
+            f"{k} {sum(v.values()) * 1e3:.1f} ms" for k, v in record["forward_s"].items()) + ")"
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
         return ""  # not chosen by measuring here (explicit layout, or a GPU)
 

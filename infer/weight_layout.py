@@ -35,7 +35,7 @@ The layouts (same values, same modules, same transformers code; only how F.linea
                the other Linears as in panel
                panel and blocks also run masked grouped-query attention without per-head copies
                (infer/attention.py); the other layouts keep the model's own attention
-  auto         on a CPU, the layout with the least T(1) + T(8) (a decode step plus a typical tree),
+  auto         on a CPU, the layout with the least T(1) + T(8) + T(16) (a decode step, a typical and a large tree),
                measured once per target, threads and dtype while the machine is quiet (infer.quiet), and
                cached beside the T(N) curve; stock elsewhere (cuBLAS reads every layout at full speed)
 
@@ -62,16 +62,18 @@ from headway.heads.files import write_json_atomic
 from headway.infer import blocks as blocks_kernel
 from headway.infer.attention import use_grouped_attention
 from headway.infer import panel as panel_kernel
+from headway.infer import tiles as tiles_kernel
 from headway.infer.measurements import measurement_path
 from headway.infer.quiet import spread, watch
 
-LAYOUTS = ("auto", "stock", "wide-column", "packed", "panel", "blocks")
+LAYOUTS = ("auto", "stock", "wide-column", "packed", "panel", "blocks", "tiles")
 MIN_GAIN = 1.03  # auto leaves the stock layout only for a score at least 3% better (timings are noisy)
 PACK_BUCKETS = (4, 8, 16, 32, 64)  # row counts with a packed copy; fewer rows than 3 run the stock GEMV
 MIN_PACKED_ROWS = 3
-SCORE_ROWS = (1, 8)  # auto's score: T(1) + T(8), a decode step plus a typical tree
-SMALL_M_KERNELS = ("panel", "blocks")  # these also run masked grouped-query attention without copies (infer.attention)
-CHOICE_VERSION = 5  # cached choices from before the blocks layout existed are measured again
+SCORE_ROWS = (1, 8, 16)  # auto's score: T(1) + T(8) + T(16), a decode step, a typical and a large tree
+SCORE = " + ".join(f"T({m})" for m in SCORE_ROWS)
+SMALL_M_KERNELS = ("panel", "blocks", "tiles")  # these also run masked grouped-query attention without copies (infer.attention)
+CHOICE_VERSION = 6  # cached choices from before the tiles layout existed are measured again
 
 
 def candidates(model: nn.Module) -> tuple[str, ...]:
@@ -82,7 +84,8 @@ def candidates(model: nn.Module) -> tuple[str, ...]:
     packed = ("packed",) if fp32_cpu and torch.backends.mkl.is_available() else ()
     panel = ("panel",) if fp32_cpu and panel_kernel.unavailable_reason() is None else ()
     blocks = ("blocks",) if panel and blocks_kernel.unavailable_reason(model) is None and _blocks(model) else ()
-    return ("stock", "wide-column") + packed + panel + blocks
+    tiles = ("tiles",) if blocks and tiles_kernel.unavailable_reason(model) is None else ()
+    return ("stock", "wide-column") + packed + panel + blocks + tiles
 
 
 def wide_linears(model: nn.Module) -> list[nn.Linear]:
@@ -107,23 +110,30 @@ def apply_layout(model: nn.Module, layout: str = "auto", target=None) -> str:
                or "no Linear weight equals a Q4_1/Q8_0 tensor of its GGUF file, or the model is not fp32 on a CPU")
         raise ValueError(f"weight_layout=blocks needs a target loaded from a block-quantized GGUF file, fp32 "
                          f"on a CPU with AVX-512 and a C++ compiler ({why}); use panel or stock")
+    if layout == "tiles" and layout not in candidates(model):
+        why = (panel_kernel.unavailable_reason() or tiles_kernel.unavailable_reason(model)
+               or "no Linear weight equals a Q4_1/Q8_0 tensor of its GGUF file, or the model is not fp32 on a CPU")
+        raise ValueError(f"weight_layout=tiles needs a target loaded from a block-quantized GGUF file, fp32 on a "
+                         f"CPU with AMX and a C++ compiler ({why}); use blocks, panel or stock")
     for linear in _linears(model):
         _unpack(linear)
     for linear in wide_linears(model):
         weight = linear.weight.data  # [out, in]
         linear.weight.data = weight.t().contiguous().t() if layout == "wide-column" else weight.contiguous()
-    if layout in ("packed", "panel", "blocks"):
+    if layout in ("packed",) + SMALL_M_KERNELS:
         _route(model, layout)
     use_grouped_attention(model, layout in SMALL_M_KERNELS)
     return layout
 
 
 def _route(model: nn.Module, layout: str) -> None:
-    """Every Linear's forward through `layout`'s kernel (blocks: the Linears without GGUF blocks use panels)."""
-    blocks = _blocks(model) if layout == "blocks" else {}
+    """Every Linear's forward through `layout`'s kernel (blocks, tiles: the Linears without GGUF blocks use panels)."""
+    blocks = _blocks(model) if layout in ("blocks", "tiles") else {}
     for linear in _linears(model):
         if layout == "packed":
             _pack(linear)
+        elif linear in blocks and layout == "tiles":
+            tiles_kernel.use_tiles(linear, blocks[linear])
         elif linear in blocks:
             blocks_kernel.use_blocks(linear, blocks[linear])
         else:
@@ -139,6 +149,8 @@ def measured_name(layout: str) -> str:
     attention they run), so the timings of an older kernel are measured again."""
     if layout == "blocks":  # "gqa": with infer.attention's grouped-query attention
         return f"blocks-{blocks_kernel.source_tag()}-{panel_kernel.source_tag()}-gqa"
+    if layout == "tiles":
+        return f"tiles-{tiles_kernel.source_tag()}-{panel_kernel.source_tag()}-gqa"
     return f"panel-{panel_kernel.source_tag()}-gqa" if layout == "panel" else layout
 
 
@@ -153,7 +165,7 @@ def check_layout(layout: str) -> None:
 
 
 def choose_layout(target, force: bool = False) -> str:
-    """What "auto" means: stock off the CPU; on a CPU the layout with the least T(1) + T(8), measured once
+    """What "auto" means: stock off the CPU; on a CPU the layout with the least T(1) + T(8) + T(16), measured once
     per target, thread count and dtype, then read from the cache. A measurement disturbed by other
     processes is taken again (twice at most) and, if still disturbed, used for this run but not cached
     unless `force`."""
@@ -173,7 +185,7 @@ def choose_layout(target, force: bool = False) -> str:
     times = {layout: {m: min(s) for m, s in per.items()} for layout, per in samples.items()}
     layout = pick(times)
     if force or not quality.noisy:
-        write_json_atomic(path, {"version": CHOICE_VERSION, "layout": layout, "score": "T(1) + T(8)",
+        write_json_atomic(path, {"version": CHOICE_VERSION, "layout": layout, "score": SCORE,
                                  "forward_s": {k: {str(m): t for m, t in v.items()} for k, v in times.items()},
                                  "quality": quality.as_dict()})
     else:
@@ -194,7 +206,7 @@ def cached_choice(path: Path, model: nn.Module) -> str | None:
 
 
 def pick(times: dict[str, dict[int, float]]) -> str:
-    """The layout with the least T(1) + T(8); stock unless the best beats it by MIN_GAIN."""
+    """The layout with the least T(1) + T(8) + T(16); stock unless the best beats it by MIN_GAIN."""
     score = {layout: sum(per.values()) for layout, per in times.items()}
     best = min(score, key=score.get)
     return best if score["stock"] >= MIN_GAIN * score[best] else "stock"
@@ -217,7 +229,7 @@ def measure_layouts(model: nn.Module, repeats: int = 5, rows=SCORE_ROWS) -> dict
             linear.weight.data = weight
         for linear in linears:
             _unpack(linear)
-        if layout in ("packed", "panel", "blocks"):
+        if layout in ("packed",) + SMALL_M_KERNELS:
             _route(model, layout)
         use_grouped_attention(model, layout in SMALL_M_KERNELS)
 
@@ -238,6 +250,8 @@ def measure_layouts(model: nn.Module, repeats: int = 5, rows=SCORE_ROWS) -> dict
 
 def current_layout(model: nn.Module) -> str:
     linears = _linears(model)
+    if any(tiles_kernel.uses_tiles(linear) for linear in linears):
+        return "tiles"
     if any(blocks_kernel.uses_blocks(linear) for linear in linears):
         return "blocks"
     if linears and all(_is_packed(linear) for linear in linears):

@@ -12,7 +12,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from headway.heads.target import load_target, local_gguf
-from headway.infer import blocks, panel
+from headway.infer import blocks, panel, tiles
 from headway.infer.engine import Engine
 from headway.infer.weight_layout import _linears, apply_layout, candidates, current_layout
 
@@ -52,6 +52,11 @@ def quantized_target(path, permuted: str = "model.layers.0.self_attn.q_proj"):
 @pytest.fixture()
 def target(tmp_path):
     return quantized_target(tmp_path / "tiny.gguf")
+
+
+# the layouts that read a GGUF target's codes: blocks (AVX-512) and tiles (AMX, where the CPU has it)
+CODE_LAYOUTS = ["blocks", pytest.param("tiles", marks=pytest.mark.skipif(
+    tiles.unavailable_reason() is not None, reason=f"tiles layout: {tiles.unavailable_reason()}"))]
 
 
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
@@ -115,16 +120,17 @@ def test_a_weight_that_differs_in_one_value_is_not_matched(target):
     assert down not in found and len(found) == len(_linears(target.model)) - 1
 
 
-def test_blocks_layout_keeps_outputs_and_engine_tokens(target):
+@pytest.mark.parametrize("layout", CODE_LAYOUTS)
+def test_blocks_layout_keeps_outputs_and_engine_tokens(target, layout):
     model = target.model
     ids = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(0))
     prompts = [[5, 9, 13, 40], [7, 3]]
     with torch.inference_mode():
         reference = model(input_ids=ids).logits
     expected = Engine(target, weight_layout="stock").generate(prompts, max_new_tokens=12, stop_on_eos=False).tokens
-    assert "blocks" in candidates(model)
-    engine = Engine(target, weight_layout="blocks")
-    assert current_layout(model) == "blocks" and all(blocks.uses_blocks(l) for l in _linears(model))
+    assert layout in candidates(model)
+    engine = Engine(target, weight_layout=layout)
+    assert current_layout(model) == layout and all(blocks.uses_blocks(l) for l in _linears(model))
     with torch.inference_mode():
         for width in (1, 5, 11):  # a decode step, a tree, a prefill (stock GEMM past MAX_ROWS rows: not here)
             torch.testing.assert_close(model(input_ids=ids[:, :width]).logits, reference[:, :width],
@@ -132,8 +138,9 @@ def test_blocks_layout_keeps_outputs_and_engine_tokens(target):
     assert engine.generate(prompts, max_new_tokens=12, stop_on_eos=False).tokens == expected
 
 
-def test_a_weight_changed_after_matching_takes_the_stock_path(target):
-    apply_layout(target.model, "blocks")
+@pytest.mark.parametrize("layout", CODE_LAYOUTS)
+def test_a_weight_changed_after_matching_takes_the_stock_path(target, layout):
+    apply_layout(target.model, layout)
     linear = target.model.model.layers[0].mlp.up_proj
     x = torch.randn(3, linear.in_features)
     with torch.no_grad():
@@ -185,9 +192,10 @@ def test_switching_to_blocks_drops_the_panel_copies(target):
     assert all("panels" in vars(l) for l in _linears(target.model))
 
 
-def test_a_heads_draft_vocabulary_reads_the_target_read_out_from_its_codes(target):
-    """EAGLE drafts through the target's LM head restricted to its draft vocabulary: under the blocks layout
-    those rows come from the GGUF codes (the same values), through the kernel."""
+@pytest.mark.parametrize("layout", CODE_LAYOUTS)
+def test_a_heads_draft_vocabulary_reads_the_target_read_out_from_its_codes(target, layout):
+    """EAGLE drafts through the target's LM head restricted to its draft vocabulary: under the blocks (and tiles)
+    layout those rows come from the GGUF codes (the same values), through the blocks kernel."""
     from headway.heads.base import build_head
 
     head = build_head("eagle", target).eval()
@@ -196,7 +204,7 @@ def test_a_heads_draft_vocabulary_reads_the_target_read_out_from_its_codes(targe
     lm_head = head.frozen["lm_head"]
     with torch.inference_mode():
         expected = head.readout(hidden, lm_head)  # [B, T, V]: fp32 rows, stock layout
-        apply_layout(target.model, "blocks")
+        apply_layout(target.model, layout)
         logits = head.readout(hidden, lm_head)
     subsets = [rows for rows, _ in head._rows.values() if isinstance(rows, blocks.RowSubset)]
     assert len(subsets) == 1 and len(subsets[0].rows) == 40
