@@ -101,13 +101,19 @@ def curve_path(target) -> Path:
     return measurement_path(target, measured_name(layout))
 
 
+CURVE_VERSION = 2  # 2: each timed forward follows one of its own size (curves timed before read T(1) high)
+
+
 def load_curve(target) -> dict[int, float] | None:
     path = curve_path(target)
     if not path.is_file():
         return None
     try:
-        return {int(n): float(t) for n, t in json.loads(path.read_text())["latency_s"].items()}
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        record = json.loads(path.read_text())
+        if record.get("version") != CURVE_VERSION:
+            return None  # measured the old way: measured again
+        return {int(n): float(t) for n, t in record["latency_s"].items()}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
         return None  # a damaged cache is just re-measured
 
 
@@ -177,7 +183,8 @@ def _forward(model, cache, tokens, anc, dtype, device):
 
 
 def _save_curve(target, curve: dict[int, float], context: int, quality) -> None:
-    write_json_atomic(curve_path(target), {"context": context, "latency_s": {str(k): v for k, v in curve.items()},
+    write_json_atomic(curve_path(target), {"version": CURVE_VERSION, "context": context,
+                                           "latency_s": {str(k): v for k, v in curve.items()},
                                            "quality": quality.as_dict()})
 
 

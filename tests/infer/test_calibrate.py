@@ -86,6 +86,19 @@ def test_cli_measures_and_caches_the_curve_of_a_preset(tmp_path, monkeypatch, ca
     assert record["quality"]["noisy"] is False and record["quality"]["measured_at"]
 
 
+def test_a_curve_timed_the_old_way_is_measured_again(tmp_path, monkeypatch):
+    """Curves cached before each timed forward followed one of its own size read T(1) high: not reused."""
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path))
+    machine_seen_as(monkeypatch, 0.0)
+    target = load_target({"path": "tiny-random", "name": "tiny-random"})
+    calibrate_latency(target, sizes=(1, 2), context=8, repeats=1)
+    assert calibrate_module.load_curve(target) is not None
+    path = calibrate_module.curve_path(target)
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in record.items() if k != "version"}))  # as an older version wrote it
+    assert calibrate_module.load_curve(target) is None
+
+
 def test_cli_compares_every_layout_side_by_side(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path))
     machine_seen_as(monkeypatch, 0.0)
