@@ -16,6 +16,8 @@ project's reference CPU (2 cores, AVX-512, fp32; every Linear of SmolLM2-135M in
     panel (infer/panel.py)    20.8   22.1   24.3   27.7   35.9
     blocks (infer/blocks.py)  11.7   12.0   12.4   14.5   22.1    (a GGUF target's codes; the real weights,
                                                                    scripts/bench_layouts.py)
+    blocks, another day       14.8   15.1   15.9   17.5   25.7    (the same run as the next row)
+    tiles (infer/tiles.py)    14.3   14.4   14.4   16.1   19.6    (the codes multiplied with AMX)
 
 The layouts (same values, same modules, same transformers code; only how F.linear reaches the weights):
   stock        as loaded (row-major [out, in])
@@ -33,7 +35,11 @@ The layouts (same values, same modules, same transformers code; only how F.linea
                one of the file's Q4_1/Q8_0 tensors runs 1..32 rows through a kernel that reads the codes
                (1.25 bytes per weight) and rebuilds the same fp32 values in registers (infer/blocks.py);
                the other Linears as in panel
-               panel and blocks also run masked grouped-query attention without per-head copies
+  tiles        the same Linears on a CPU with AMX (Intel Sapphire Rapids or later): 1..32 rows through a kernel
+               that multiplies the codes themselves with AMX tile products, x split into three bf16 parts that
+               add up to it exactly, so every product is exact and only fp32 sums round (infer/tiles.py);
+               16 rows cost ~1.4 rows' time instead of ~1.7; the other Linears as in panel
+               panel, blocks and tiles also run masked grouped-query attention without per-head copies
                (infer/attention.py); the other layouts keep the model's own attention
   auto         on a CPU, the layout with the least T(1) + T(8) + T(16) (a decode step, a typical and a large tree),
                measured once per target, threads and dtype while the machine is quiet (infer.quiet), and
