@@ -21,8 +21,8 @@ beyond).
 Keys (conf/calibrate.yaml, schema CalibrateConfig): target (a conf/target preset; its fields can be
 overridden as target.path=..., target.dtype=...), weight_layout, context.
 The curve is cached in $HEADWAY_CACHE/calibration/<target>-<device>-<dtype>-<layout>.json (device: cuda, or
-cpu<threads>; layout: the engine's weight_layout, see infer.weight_layout, with its kernel versions for panel and
-blocks).
+cpu<threads>; layout: the engine's weight_layout, see infer.weight_layout, with its kernel versions for panel,
+blocks and tiles).
 """
 
 from __future__ import annotations
