@@ -35,7 +35,7 @@ The layouts (same values, same modules, same transformers code; only how F.linea
                one of the file's Q4_1/Q8_0 tensors runs 1..32 rows through a kernel that reads the codes
                (1.25 bytes per weight) and rebuilds the same fp32 values in registers (infer/blocks.py);
                the other Linears as in panel
-  tiles        the same Linears on a CPU with AMX (Intel Sapphire Rapids or later): 1..32 rows through a kernel
+  tiles        the same Linears on a CPU with AMX (Intel Sapphire Rapids or later): 1..128 rows through a kernel
                that multiplies the codes themselves with AMX tile products, x split into three bf16 parts that
                add up to it exactly, so every product is exact and only fp32 sums round (infer/tiles.py);
                16 rows cost ~1.4 rows' time instead of ~1.7; the other Linears as in panel
