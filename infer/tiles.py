@@ -2,15 +2,15 @@
 
 The `blocks` layout (infer/blocks.py) reads each Linear's Q4_1/Q8_0 codes and rebuilds the fp32 weights in AVX-512
 registers: a decode step streams ~1.25 bytes per weight, but every row of a tree costs its own fp32 multiply-adds,
-so 16 rows cost ~2.5 decode steps of Linear time. AMX (Sapphire Rapids and later) multiplies 16 rows by 16 columns
+so 16 rows cost ~1.7-1.9x a decode step's Linear time. AMX (Sapphire Rapids and later) multiplies 16 rows by 16 columns
 by 32 k in one instruction. tiles_linear.cpp feeds it the codes themselves (small integers, exact in bf16) and x
 split into three bf16 parts (x = x0 + x1 + x2 exactly), so every product is exact and only the fp32 sums round,
 as in any fp32 kernel; each GGUF block's scale and offset are applied in fp32 afterwards. The result is x . W up to
 the order of the fp32 sums (within the same bound as F.linear, tests/infer/test_tiles.py), rows are independent of
 each other, and one kernel serves every row count 1..MAX_ROWS (a decode step and a tree run the same arithmetic).
 
-    tiles = tile_weights(blocks)          # the codes of one Linear (blocks.BlockWeights) in AMX's tile order
-    use_tiles(linear, tiles)              # linear.forward through the kernel for 1..MAX_ROWS rows
+    use_tiles(linear, blocks)   # linear.forward through the kernel for 1..MAX_ROWS rows; the Linear's codes
+                                # (blocks.BlockWeights) are rearranged into AMX's tile order once (tile_weights)
 
 Needs AMX (the CPU's amx_bf16 and amx_tile, and a Linux kernel that grants the tile state), AVX-512 and a C++
 compiler, and a target loaded from a block-quantized GGUF file; elsewhere the layout is not offered. Each Linear
@@ -32,7 +32,7 @@ from headway.infer.panel import build_extension, from_panels, kernel_tag
 
 SOURCE = Path(__file__).with_name("tiles_linear.cpp")
 GROUP, BLOCK = 16, 32  # output columns per tile; k per tile product (one GGUF block)
-MAX_ROWS = 128  # passes of 16 rows: a tree, a batch of trees, a data-generation batch; above, the stock GEMM
+MAX_ROWS = 128  # passes of 16 rows: a tree, a batch of trees, a decoding batch; above, the stock GEMM
 FLAGS = ("-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-ffp-contract=off")
 
 

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         resolve_backend("vllm", args.vllm_python)
     except DataError as exc:
         sys.exit(f"error: {exc}")
-    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, weight_layout="stock")
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
         hf = regenerate(rows, target, Path(tmp) / "hf.jsonl", settings, progress=False)
@@ -84,20 +84,21 @@ def main(argv=None) -> int:
 
 
 def compare_layouts(args, target, rows) -> int:
-    """The HF path once per weight layout, same prompts and settings; last line: last layout / first."""
-    from headway.train.data.config import DataError
+    """The HF path once per weight layout (the target's Linears switched before each run), same prompts and
+    settings; last line: last layout / first."""
+    from headway.infer.weight_layout import apply_layout
     from headway.train.data.regenerate import GenerationSettings, regenerate
 
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     rates = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, layout in enumerate(args.weight_layouts):  # a layout named twice runs twice (noise)
-            settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                          weight_layout=layout)
-            started = time.perf_counter()
             try:
-                stats = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)
-            except DataError as exc:
-                sys.exit(f"error: {exc}")
+                apply_layout(target.model, layout, target)
+            except ValueError as exc:  # unknown, or one this target or machine cannot run
+                sys.exit(f"error: --weight-layouts {layout}: {exc}")
+            started = time.perf_counter()
+            stats = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)
             seconds = time.perf_counter() - started
             rates.append(stats["generated_tokens"] / seconds)
             same = same_responses(Path(tmp) / "0.jsonl", Path(tmp) / f"{i}.jsonl")

@@ -103,3 +103,8 @@ def test_bench_generate_compares_weight_layouts(script, capsys):
     lines = run(script("bench_generate"), ["--target", "tiny-random", "--prompts", "3", "--batch-size", "2",
                                            "--max-new-tokens", "3", "--weight-layouts", "stock", "wide-column"], capsys)
     assert lines[0].startswith("stock: ") and lines[1].startswith("wide-column: ") and "of 3)" in lines[1]
+
+
+def test_bench_generate_refuses_a_layout_the_target_cannot_run(script, capsys):
+    with pytest.raises(SystemExit, match=r"^error: --weight-layouts tiles: weight_layout=tiles needs a target"):
+        script("bench_generate").main(["--target", "tiny-random", "--prompts", "2", "--weight-layouts", "stock", "tiles"])
