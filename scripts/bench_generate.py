@@ -53,14 +53,21 @@ def main(argv=None) -> int:
     from headway.train.data.regenerate import GenerationSettings, prompt_rows, regenerate
     from headway.train.data.vllm_decode import VllmDecoder, max_model_len, resolve_backend
 
+    if args.weight_layouts:
+        from headway.infer.weight_layout import LAYOUTS
+
+        unknown = [layout for layout in args.weight_layouts if layout not in LAYOUTS]
+        if unknown:
+            bad_input(f"--weight-layouts {unknown[0]}: use one of {', '.join(LAYOUTS)}")
+    else:
+        try:
+            resolve_backend("vllm", args.vllm_python)
+        except DataError as exc:
+            sys.exit(f"error: {exc}")
     target = load_target(target_preset(args.target))
     rows, _ = prompt_rows(default_prompts(args.prompts))
     if args.weight_layouts:
         return compare_layouts(args, target, rows)
-    try:
-        resolve_backend("vllm", args.vllm_python)
-    except DataError as exc:
-        sys.exit(f"error: {exc}")
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
@@ -83,20 +90,28 @@ def main(argv=None) -> int:
     return 0
 
 
+def bad_input(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def compare_layouts(args, target, rows) -> int:
     """The HF path once per weight layout (the target's Linears switched before each run), same prompts and
     settings; last line: last layout / first."""
-    from headway.infer.weight_layout import apply_layout
+    from headway.infer.weight_layout import apply_layout, candidates
     from headway.train.data.regenerate import GenerationSettings, regenerate
 
+    for layout in args.weight_layouts:  # every layout checked before any generation runs
+        if layout not in ("auto",) + candidates(target.model):
+            try:
+                apply_layout(target.model, layout, target)
+            except ValueError as exc:  # why this target or machine cannot run it
+                bad_input(f"--weight-layouts {layout}: {exc}")
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     rates = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, layout in enumerate(args.weight_layouts):  # a layout named twice runs twice (noise)
-            try:
-                apply_layout(target.model, layout, target)
-            except ValueError as exc:  # unknown, or one this target or machine cannot run
-                sys.exit(f"error: --weight-layouts {layout}: {exc}")
+            apply_layout(target.model, layout, target)
             started = time.perf_counter()
             stats = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)
             seconds = time.perf_counter() - started

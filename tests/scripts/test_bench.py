@@ -105,6 +105,10 @@ def test_bench_generate_compares_weight_layouts(script, capsys):
     assert lines[0].startswith("stock: ") and lines[1].startswith("wide-column: ") and "of 3)" in lines[1]
 
 
-def test_bench_generate_refuses_a_layout_the_target_cannot_run(script, capsys):
-    with pytest.raises(SystemExit, match=r"^error: --weight-layouts tiles: weight_layout=tiles needs a target"):
-        script("bench_generate").main(["--target", "tiny-random", "--prompts", "2", "--weight-layouts", "stock", "tiles"])
+@pytest.mark.parametrize("layout,why", [("tiles", "tiles: weight_layout=tiles needs a target"),
+                                        ("nosuch", "nosuch: use one of auto, stock")])
+def test_bench_generate_refuses_a_layout_before_generating(script, capsys, layout, why):
+    with pytest.raises(SystemExit) as exit_:
+        script("bench_generate").main(["--target", "tiny-random", "--prompts", "2", "--weight-layouts", "stock", layout])
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and out.err.startswith(f"error: --weight-layouts {why}") and not out.out
