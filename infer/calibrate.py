@@ -158,7 +158,7 @@ def _measure_curve(target, sizes, context: int, repeats: int) -> dict[int, list[
     for round_ in range(repeats + 1):  # the first round warms up; sizes interleave so noise hits them alike
         for n in sizes:
             # one untimed forward of the same size first: a decode step follows a decode step, not the 128-token
-            # forward before it in this loop, whose working set evicts the weights from cache (T(1) read ~30% high)
+            # forward before it in this loop, whose working set evicts the weights from cache (T(1) read 10-16% high)
             _forward(model, cache, tokens[n], causal_ancestors(n), dtype, device)
             cache.truncate(torch.tensor([context]))
             start = time.perf_counter()

@@ -99,9 +99,10 @@ def tiles_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if (not 1 <= rows <= MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32
             or x.device.type != "cpu" or tiles.stamp != (weight.data_ptr(), weight._version)):
         return F.linear(x, weight, linear.bias)  # prefill, training, or a weight changed since it was matched
-    parts, sums = kernel().split_rows(x.reshape(rows, linear.in_features).contiguous())  # x's bf16 parts
-    out = kernel().tiles_linear(parts, sums, tiles.codes, tiles.scales, tiles.offsets, linear.out_features,
-                                tiles.small_codes, tiles.with_offsets)  # [M, out]
+    ext = kernel()
+    parts, sums = ext.split_rows(x.reshape(rows, linear.in_features).contiguous())  # x's bf16 parts
+    out = ext.tiles_linear(parts, sums, tiles.codes, tiles.scales, tiles.offsets, linear.out_features,
+                           tiles.small_codes, tiles.with_offsets)  # [M, out]
     if linear.bias is not None:
         out += linear.bias
     return out.reshape(*x.shape[:-1], linear.out_features)

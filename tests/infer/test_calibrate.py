@@ -46,7 +46,6 @@ def test_calibration_measures_every_size():
     assert sorted(curve) == [1, 4, 16] and all(t > 0 for t in curve.values())
 
 
-
 def test_each_timed_forward_follows_one_of_its_own_size(monkeypatch):
     """T(1) is a decode step after a decode step: measured right after the largest forward of the previous
     size (whose working set evicts the weights from cache) it would read high and flatter the curve."""
@@ -58,6 +57,7 @@ def test_each_timed_forward_follows_one_of_its_own_size(monkeypatch):
     calibrate_latency(target, sizes=(1, 4, 16), context=8, repeats=2, save=False)
     per_round = [1, 1, 4, 4, 16, 16]  # an untimed forward, then the timed one
     assert sizes == [8] + per_round * 3  # the prompt, a warm-up round, two timed rounds
+
 
 def machine_seen_as(monkeypatch, other_cpu: float):
     """What infer.quiet reports about other processes during the measurements (the real machine may be
