@@ -271,7 +271,7 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
             logits = linear(hidden)
             return logits if row_ids is None else _scatter_vocab(logits, row_ids, V)
         weight = linear.weight
-        # a weight layout may run a subset of the layer's rows through its own kernel (infer.blocks: the
+        # a weight layout may run a subset of the layer's rows through its own kernel (heads.kernels.blocks: the
         # target's read-out from its GGUF codes); then the kept rows are read from there, else as fp32 copies
         restrict = getattr(vars(linear).get("forward"), "restricted", None)
         key = (weight.data_ptr(), tuple(weight.shape), restrict is not None)

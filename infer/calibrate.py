@@ -21,7 +21,7 @@ beyond).
 Keys (conf/calibrate.yaml, schema CalibrateConfig): target (a conf/target preset; its fields can be
 overridden as target.path=..., target.dtype=...), weight_layout, context.
 The curve is cached in $HEADWAY_CACHE/calibration/<target>-<device>-<dtype>-<layout>.json (device: cuda, or
-cpu<threads>; layout: the engine's weight_layout, see infer.weight_layout, with its kernel versions for panel,
+cpu<threads>; layout: the engine's weight_layout, see heads.kernels.weight_layout, with its kernel versions for panel,
 blocks and tiles).
 """
 
@@ -38,11 +38,11 @@ from omegaconf import MISSING, OmegaConf
 
 from headway.heads.files import write_json_atomic
 from headway.heads.target import TargetSpec
-from headway.infer.measurements import measurement_path
-from headway.infer.quiet import spread, watch
-from headway.infer import blocks as blocks_kernel
-from headway.infer import panel as panel_kernel
-from headway.infer.weight_layout import (PACK_BUCKETS, apply_layout, candidates, check_layout, choose_layout,
+from headway.heads.kernels.measurements import measurement_path
+from headway.heads.kernels.quiet import spread, watch
+from headway.heads.kernels import blocks as blocks_kernel
+from headway.heads.kernels import panel as panel_kernel
+from headway.heads.kernels.weight_layout import (PACK_BUCKETS, apply_layout, candidates, check_layout, choose_layout,
                                          current_layout, layout_path, measured_name, pack_all)
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -121,7 +121,7 @@ def calibrate_latency(target, sizes=DEFAULT_SIZES, context: int = 256, repeats: 
                       save: bool = True, force: bool = False) -> dict[int, float]:
     """Measure T(N): seconds for one target forward of N new tokens after `context` cached tokens,
     through the engine's own path (paged cache + 4D mask). Best of `repeats` (least disturbed). A curve
-    measured while other processes used the CPU (infer.quiet) is measured again, twice at most; if still
+    measured while other processes used the CPU (heads.kernels.quiet) is measured again, twice at most; if still
     disturbed it is returned but not cached (unless `force`), so a busy moment is never kept."""
     for _ in range(3):
         with watch() as seen:
@@ -195,7 +195,7 @@ class CalibrateError(ValueError):
 @dataclass
 class CalibrateConfig:
     target: TargetSpec = MISSING  # composed from conf/target/<name>.yaml by `target=<name>`
-    weight_layout: str = "auto"  # the engine's weight layout (infer.weight_layout); its curve sets the budget
+    weight_layout: str = "auto"  # the engine's weight layout (heads.kernels.weight_layout); its curve sets the budget
     context: int = 256  # cached tokens before the measured forward
     compare: bool = True  # also measure T(N) under every other layout this machine can run, side by side
     force: bool = False  # choose the layout again and cache what is measured even on a busy machine

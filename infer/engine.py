@@ -27,7 +27,7 @@ max_cache_tokens=None, weight_layout="auto", stop_unpaid_drafting="sampling"); `
 (or a bare HF causal LM).
 Drafters keep state per generate() call, so one drafter object can serve many calls but not two engines
 at once. On a CPU the engine runs the target's Linear layers in the fastest measured weight layout
-(infer.weight_layout: for a GGUF target, its own block codes; same values, a faster decode step and tree).
+(heads.kernels.weight_layout: for a GGUF target, its own block codes; same values, a faster decode step and tree).
 
 One decoding step (gpt-fast style, everything vectorised over the batch):
     plain:        cache.prepare(1) -> target(last token) -> warp -> sample
@@ -58,7 +58,7 @@ from headway.heads.sampling import is_greedy, sample, warp_probs
 from headway.infer.tree import ancestor_mask, attention_mask, causal_ancestors, depths
 from headway.infer.verify import verify_tree
 from headway.infer.payoff import DraftingGuard
-from headway.infer.weight_layout import apply_layout, current_layout
+from headway.heads.kernels.weight_layout import apply_layout, current_layout
 
 
 class EngineError(ValueError):
@@ -151,9 +151,9 @@ class Engine:
         "static" = a fixed batch-size throttle only (see infer/calibrate.py).
         max_cache_tokens: cap on the KV pool (all rows together); default: room for every row's worst case.
         Past it generation stops with CacheFullError (the cache is never corrupted).
-        weight_layout: how the target's Linear weights lie in memory (infer.weight_layout): "auto" = on a
+        weight_layout: how the target's Linear weights lie in memory (heads.kernels.weight_layout): "auto" = on a
         CPU the layout with the faster decode step here (measured once, cached; the gain of the wide
-        weights column-major depends on the machine, see infer.weight_layout), "stock" = as loaded,
+        weights column-major depends on the machine, see heads.kernels.weight_layout), "stock" = as loaded,
         "wide-column". Values never change; the layout is set in place on `target`.
         stop_unpaid_drafting: "sampling" (default) = when sampling (temperature > 0), decode plainly for the rest
         of a generate() call once its own speculative steps show that drafting costs more than it gains

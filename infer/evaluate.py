@@ -16,7 +16,7 @@ It prints a table and writes OUTPUT/eval.json:
      "greedy_match"}                 temperature 0: fraction of prompts identical to plain decoding
                                      (null at temperature > 0, where outputs differ by design)
      "draft", "weight_layout"}       the tree the drafter planned; the engine's weight layout
-                                     (infer.weight_layout; HF generate() always runs the stock one)
+                                     (heads.kernels.weight_layout; HF generate() always runs the stock one)
 
 and OUTPUT/eval.png (acceptance by depth, tau by category). A baseline left out of `baselines` gets null.
 Bad input (a checkpoint for another target, a corrupted or missing safetensors file, an empty, malformed or
@@ -48,7 +48,7 @@ from headway.infer.engine import CacheFullError, EngineError, Engine, encode_pro
 from headway.infer.hf_generate import generation_config, hf_generate
 from headway.infer.prompt_sets import PromptSetError, load_prompt_set
 from headway.heads.sampling import is_greedy
-from headway.infer.weight_layout import check_layout, current_layout
+from headway.heads.kernels.weight_layout import check_layout, current_layout
 
 DEFAULT_TARGET = "smollm2-135m"  # the conf/target preset used when neither target= nor the checkpoint names one
 DRAFTERS = ("head", "prompt_lookup", "draft_model")

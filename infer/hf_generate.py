@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from headway.heads.sampling import is_greedy
-from headway.infer.weight_layout import stock_layout
+from headway.heads.kernels.weight_layout import stock_layout
 
 
 @dataclass

@@ -329,10 +329,10 @@ def measured_latency(spec: TargetSpec, sizes: list[int], context: int) -> dict[i
     `context` cached ones), measured now under the engine's weight layout."""
     from headway.heads.target import load_target
     from headway.infer.calibrate import calibrate_latency
-    from headway.infer.weight_layout import apply_layout
+    from headway.heads.kernels.weight_layout import apply_layout
 
     target = load_target(spec)
-    apply_layout(target.model, "auto", target)  # the engine's weight layout (infer.weight_layout)
+    apply_layout(target.model, "auto", target)  # the engine's weight layout (heads.kernels.weight_layout)
     # save=False: the engine's cached curve (its own context) stays what `python -m headway.infer.calibrate` wrote
     return calibrate_latency(target, sizes, context=context, repeats=3, save=False)
 

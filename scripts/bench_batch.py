@@ -20,7 +20,7 @@ import torch
 
 from headway.infer.calibrate import TreeBudget
 from headway.infer.engine import Engine
-from headway.infer.weight_layout import apply_layout
+from headway.heads.kernels.weight_layout import apply_layout
 
 
 class FullTree(TreeBudget):

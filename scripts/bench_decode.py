@@ -4,7 +4,7 @@ Methods, interleaved prompt by prompt so machine noise hits all alike (each warm
   hf_generate             transformers generate()
   hf_prompt_lookup        transformers generate(prompt_lookup_num_tokens=...)
   headway_plain           the engine's plain decoding (weights in --weight-layout, default auto: the wide
-                          Linear weights column-major on a CPU, see infer/weight_layout.py)
+                          Linear weights column-major on a CPU, see heads/kernels/weight_layout.py)
   headway_plain_stock     the same with the weights as loaded (shows what the layout alone buys)
   headway_prompt_lookup   the engine with the n-gram drafter
   headway_<kind>          the engine with each trained head given (paths that do not exist are skipped)
@@ -33,7 +33,7 @@ import torch
 from headway.infer.calibrate import calibrate_latency
 from headway.infer.engine import Engine
 from headway.infer.hf_generate import generation_config, hf_generate
-from headway.infer.weight_layout import LAYOUTS, apply_layout
+from headway.heads.kernels.weight_layout import LAYOUTS, apply_layout
 
 
 FIXED = ("hf_generate", "hf_prompt_lookup", "headway_plain", "headway_plain_stock", "headway_prompt_lookup")  # not trained heads

@@ -31,7 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--vllm-python", help="a python that has vLLM (default: this one)")
     p.add_argument("--weight-layouts", nargs="+", metavar="LAYOUT",
-                   help="compare the HF path under these weight layouts (infer.weight_layout) instead of vLLM")
+                   help="compare the HF path under these weight layouts (heads.kernels.weight_layout) instead of vLLM")
     return p.parse_args(argv)
 
 
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     from headway.train.data.vllm_decode import VllmDecoder, max_model_len, resolve_backend
 
     if args.weight_layouts:
-        from headway.infer.weight_layout import LAYOUTS
+        from headway.heads.kernels.weight_layout import LAYOUTS
 
         unknown = [layout for layout in args.weight_layouts if layout not in LAYOUTS]
         if unknown:
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     rows, _ = prompt_rows(default_prompts(args.prompts))
     if args.weight_layouts:
         return compare_layouts(args, target, rows)
-    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, weight_layout="stock")
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
         hf = regenerate(rows, target, Path(tmp) / "hf.jsonl", settings, progress=False)
@@ -96,9 +96,9 @@ def bad_input(message: str) -> None:
 
 
 def compare_layouts(args, target, rows) -> int:
-    """The HF path once per weight layout (the target's Linears switched before each run), same prompts and
-    settings; last line: last layout / first."""
-    from headway.infer.weight_layout import apply_layout, candidates
+    """The HF path once per weight layout (the data build's `weight_layout` setting), same prompts and settings;
+    last line: last layout / first."""
+    from headway.heads.kernels.weight_layout import apply_layout, candidates
     from headway.train.data.regenerate import GenerationSettings, regenerate
 
     for layout in args.weight_layouts:  # every layout checked before any generation runs
@@ -107,11 +107,11 @@ def compare_layouts(args, target, rows) -> int:
                 apply_layout(target.model, layout, target)
             except ValueError as exc:  # why this target or machine cannot run it
                 bad_input(f"--weight-layouts {layout}: {exc}")
-    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     rates = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, layout in enumerate(args.weight_layouts):  # a layout named twice runs twice (noise)
-            apply_layout(target.model, layout, target)
+            settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                          weight_layout=layout)
             started = time.perf_counter()
             stats = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)
             seconds = time.perf_counter() - started

@@ -15,7 +15,7 @@ import argparse
 import bench_common as bc
 import torch
 
-from headway.infer.weight_layout import _linears, apply_layout, candidates
+from headway.heads.kernels.weight_layout import _linears, apply_layout, candidates
 
 
 def pass_time(linears, inputs) -> float:

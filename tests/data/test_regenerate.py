@@ -111,3 +111,27 @@ def test_prepare_data_builds_the_default_set_with_its_cache(tmp_path):
     bad = subprocess.run(cmd[:-1] + ["capture_head=nope"], capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, HEADWAY_CACHE=str(tmp_path / "other")))
     assert bad.returncode == 2 and "capture_head='nope' is unknown" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_the_target_generates_in_the_weight_layout_asked_for_and_is_restored_after(tiny_target, tmp_path,
+                                                                                   monkeypatch):
+    from headway.heads.kernels.weight_layout import current_layout
+    from headway.train.data import decode as decode_module
+
+    seen, decode = [], decode_module.decode
+    monkeypatch.setattr(decode_module, "decode", lambda model, *a, **k: (seen.append(current_layout(model)),
+                                                                           decode(model, *a, **k))[1])
+    rows, _ = prompt_rows(PROMPTS[:2])
+    settings = GenerationSettings(max_new_tokens=4, batch_size=2, weight_layout="wide-column")
+    regenerate(rows, tiny_target, tmp_path / "out.jsonl", settings, progress=False)
+    assert seen == ["wide-column"] and current_layout(tiny_target.model) == "stock"
+
+
+def test_a_weight_layout_the_target_cannot_run_is_one_clear_error(tiny_target, tmp_path):
+    from headway.train.data.config import DataError
+
+    rows, _ = prompt_rows(PROMPTS[:1])
+    with pytest.raises(DataError, match="weight_layout=blocks: .*needs a target loaded from a block-quantized GGUF"):
+        regenerate(rows, tiny_target, tmp_path / "out.jsonl", GenerationSettings(weight_layout="blocks"),
+                   progress=False)
+    assert not (tmp_path / "out.jsonl").exists() or not read(tmp_path / "out.jsonl")

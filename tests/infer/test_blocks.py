@@ -12,9 +12,9 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from headway.heads.target import load_target, local_gguf
-from headway.infer import blocks, panel, tiles
+from headway.heads.kernels import blocks, panel, tiles
 from headway.infer.engine import Engine
-from headway.infer.weight_layout import _linears, apply_layout, candidates, current_layout
+from headway.heads.kernels.weight_layout import _linears, apply_layout, candidates, current_layout
 
 pytestmark = pytest.mark.skipif(blocks.unavailable_reason() is not None or panel.unavailable_reason() is not None,
                                 reason=f"blocks layout: {blocks.unavailable_reason()}")

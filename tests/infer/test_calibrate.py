@@ -10,8 +10,8 @@ import torch
 
 from headway.heads.target import load_target
 from headway.infer import calibrate as calibrate_module
-from headway.infer import quiet, weight_layout
-from headway.infer.weight_layout import candidates
+from headway.heads.kernels import quiet, weight_layout
+from headway.heads.kernels.weight_layout import candidates
 from headway.infer.calibrate import TreeBudget, calibrate_latency, main
 
 
@@ -60,7 +60,7 @@ def test_each_timed_forward_follows_one_of_its_own_size(monkeypatch):
 
 
 def machine_seen_as(monkeypatch, other_cpu: float):
-    """What infer.quiet reports about other processes during the measurements (the real machine may be
+    """What heads.kernels.quiet reports about other processes during the measurements (the real machine may be
     running other tests)."""
     class Seen(quiet.Watch):
         def __init__(self):

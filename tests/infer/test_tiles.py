@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from headway.infer import blocks, tiles
-from headway.infer.weight_layout import _linears, apply_layout, candidates, current_layout
+from headway.heads.kernels import blocks, tiles
+from headway.heads.kernels.weight_layout import _linears, apply_layout, candidates, current_layout
 
 from tests.infer.test_blocks import quantized_target
 

@@ -9,13 +9,13 @@ import torch
 from transformers import GenerationConfig
 
 from headway.heads.target import load_target
-from headway.infer import panel
-from headway.infer import quiet as quiet_module
-from headway.infer import weight_layout
+from headway.heads.kernels import panel
+from headway.heads.kernels import quiet as quiet_module
+from headway.heads.kernels import weight_layout
 from headway.infer.calibrate import curve_path
 from headway.infer.engine import EngineError, Engine
 from headway.infer.hf_generate import hf_generate
-from headway.infer.weight_layout import apply_layout, current_layout, layout_path, stock_layout, wide_linears
+from headway.heads.kernels.weight_layout import apply_layout, current_layout, layout_path, stock_layout, wide_linears
 
 
 NEEDS_PANEL = pytest.mark.skipif(panel.unavailable_reason() is not None,

@@ -25,6 +25,7 @@ from pathlib import Path
 from headway.heads.files import swap_in, write_json_atomic, write_text_atomic
 from headway.heads.target import cache_root
 from headway.train.data.config import DataError, RegenConfig
+from headway.train.data.decode import generation_layout
 from headway.train.data.regenerate import (HOW_NOT_WHAT, GenerationSettings, JsonlSink, ProgressBar, done_ids,
                                            prompt_rows, regenerate, stop_token_ids, unwritable)
 from headway.train.data.self_prompts import SelfPromptSettings, candidate_rows, select_prompts, write_candidates
@@ -49,7 +50,7 @@ def settings_of(regen: RegenConfig) -> GenerationSettings:
     return GenerationSettings(max_new_tokens=regen.max_new_tokens, temperature=regen.temperature,
                               top_p=regen.top_p, sampled_fraction=regen.sampled_fraction,
                               batch_size=regen.batch_size, seed=regen.seed, backend=regen.backend,
-                              vllm_python=regen.vllm_python)
+                              vllm_python=regen.vllm_python, weight_layout=regen.weight_layout)
 
 
 def self_prompt_settings(regen: RegenConfig) -> SelfPromptSettings:
@@ -105,7 +106,8 @@ def build_default_dataset(regen: RegenConfig, prompts: list[dict], final: Path, 
     partial = final.with_name(final.name + ".partial")
     started = time.perf_counter()
     target, capture = generating_target(regen, device, capture)
-    with open_decoder(settings_of(regen), target, [final] if not final.is_file() else []) as decoder:
+    with open_decoder(settings_of(regen), target, [final] if not final.is_file() else []) as decoder, \
+            generation_layout(target, None if decoder else regen.weight_layout):  # the self-written prompts too
         return _build(regen, prompts, final, partial, started, target, capture, decoder)
 
 

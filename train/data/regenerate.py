@@ -40,9 +40,11 @@ class GenerationSettings:
     seed: int = 0
     backend: str = "hf"  # hf (transformers, in this process) | vllm (its offline engine) | auto (vLLM where installed)
     vllm_python: Optional[str] = None  # backend=vllm: a python that has vLLM (null: this one)
+    weight_layout: str = "auto"  # backend=hf: the target's weight layout while it generates (heads/kernels/)
 
 
-HOW_NOT_WHAT = ("batch_size", "backend", "vllm_python")  # settings that change speed, not the rows written
+# settings that change speed, not the rows written (a weight layout only changes the order of fp32 sums)
+HOW_NOT_WHAT = ("batch_size", "backend", "vllm_python", "weight_layout")
 
 
 def prompt_rows(rows, fmt: str = "auto") -> tuple[list[dict], dict[str, int]]:
@@ -178,13 +180,15 @@ def regenerate(rows: list[dict], target, out_path: Path, settings: GenerationSet
     conversations written in that cache too (HF backend only: vLLM does not hand them out). decoder: a
     running VllmDecoder to reuse (else one is started when settings.backend resolves to vllm). Returns
     counts: {"written", "resumed", "unfinished_turns", "generated_tokens", "sampled", "captured", "backend"}."""
+    from headway.train.data.decode import generation_layout
     from headway.train.data.vllm_decode import open_decoder
 
     out_path = Path(out_path)
     sink = JsonlSink(out_path)
     todo = [r for r in rows if r["id"] not in sink.done]
     try:
-        with open_decoder(settings, target, todo, decoder) as decoder:
+        with open_decoder(settings, target, todo, decoder) as decoder, \
+                generation_layout(target, None if decoder else settings.weight_layout):
             return _regenerate(rows, todo, target, sink, settings, progress, None if decoder else capture, decoder)
     finally:
         sink.close()

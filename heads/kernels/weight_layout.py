@@ -13,11 +13,11 @@ project's reference CPU (2 cores, AVX-512, fp32; every Linear of SmolLM2-135M in
     oneDNN packed             35.9   31.1   33.0   38.3   48.2
     inductor max-autotune     22.2      -      -   40.3      -    (torch.compile, freezing, C++ GEMM
                                                                    template; ~1 min compile per shape)
-    panel (infer/panel.py)    20.8   22.1   24.3   27.7   35.9
-    blocks (infer/blocks.py)  11.7   12.0   12.4   14.5   22.1    (a GGUF target's codes; the real weights,
+    panel (heads/kernels/panel.py)    20.8   22.1   24.3   27.7   35.9
+    blocks (heads/kernels/blocks.py)  11.7   12.0   12.4   14.5   22.1    (a GGUF target's codes; the real weights,
                                                                    scripts/bench_layouts.py)
     blocks, another day       14.8   15.1   15.9   17.5   25.7    (the same run as the next row)
-    tiles (infer/tiles.py)    14.3   14.4   14.4   16.1   19.6    (the codes multiplied with AMX)
+    tiles (heads/kernels/tiles.py)    14.3   14.4   14.4   16.1   19.6    (the codes multiplied with AMX)
 
 The layouts (same values, same modules, same transformers code; only how F.linear reaches the weights):
   stock        as loaded (row-major [out, in])
@@ -29,20 +29,20 @@ The layouts (same values, same modules, same transformers code; only how F.linea
                each bucket used costs one more copy of the weights in memory and ~0.1-1 s to pack
   panel        every Linear runs 2..32 rows through a small AVX-512 kernel over a copy of its weight
                laid out as 48-column panels, streamed once per call whatever the row count, and one
-               row through the stock GEMV (infer/panel.py; compiled on first use, one more copy of the
+               row through the stock GEMV (heads/kernels/panel.py; compiled on first use, one more copy of the
                weights in memory)
   blocks       a target loaded from a block-quantized GGUF file: every Linear whose fp32 weight is exactly
                one of the file's Q4_1/Q8_0 tensors runs 1..32 rows through a kernel that reads the codes
-               (1.25 bytes per weight) and rebuilds the same fp32 values in registers (infer/blocks.py);
+               (1.25 bytes per weight) and rebuilds the same fp32 values in registers (heads/kernels/blocks.py);
                the other Linears as in panel
   tiles        the same Linears on a CPU with AMX (Intel Sapphire Rapids or later): 1..128 rows through a kernel
                that multiplies the codes themselves with AMX tile products, x split into three bf16 parts that
-               add up to it exactly, so every product is exact and only fp32 sums round (infer/tiles.py);
+               add up to it exactly, so every product is exact and only fp32 sums round (heads/kernels/tiles.py);
                16 rows cost ~1.4 rows' time instead of ~1.7; the other Linears as in panel
                panel, blocks and tiles also run masked grouped-query attention without per-head copies
-               (infer/attention.py); the other layouts keep the model's own attention
+               (heads/kernels/attention.py); the other layouts keep the model's own attention
   auto         on a CPU, the layout with the least T(1) + T(8) + T(16) (a decode step, a typical and a large tree),
-               measured once per target, threads and dtype while the machine is quiet (infer.quiet), and
+               measured once per target, threads and dtype while the machine is quiet (heads.kernels.quiet), and
                cached beside the T(N) curve; stock elsewhere (cuBLAS reads every layout at full speed)
 
     layout = apply_layout(model, "auto")     # what the engine does
@@ -65,12 +65,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from headway.heads.files import write_json_atomic
-from headway.infer import blocks as blocks_kernel
-from headway.infer.attention import use_grouped_attention
-from headway.infer import panel as panel_kernel
-from headway.infer import tiles as tiles_kernel
-from headway.infer.measurements import measurement_path
-from headway.infer.quiet import spread, watch
+from headway.heads.kernels import blocks as blocks_kernel
+from headway.heads.kernels.attention import use_grouped_attention
+from headway.heads.kernels import panel as panel_kernel
+from headway.heads.kernels import tiles as tiles_kernel
+from headway.heads.kernels.measurements import measurement_path
+from headway.heads.kernels.quiet import spread, watch
 
 LAYOUTS = ("auto", "stock", "wide-column", "packed", "panel", "blocks", "tiles")
 MIN_GAIN = 1.03  # auto leaves the stock layout only for a score at least 3% better (timings are noisy)
@@ -78,7 +78,8 @@ PACK_BUCKETS = (4, 8, 16, 32, 64)  # row counts with a packed copy; fewer rows t
 MIN_PACKED_ROWS = 3
 SCORE_ROWS = (1, 8, 16)  # auto's score: T(1) + T(8) + T(16), a decode step, a typical and a large tree
 SCORE = " + ".join(f"T({m})" for m in SCORE_ROWS)
-SMALL_M_KERNELS = ("panel", "blocks", "tiles")  # these also run masked grouped-query attention without copies (infer.attention)
+# these also run masked grouped-query attention without copies (heads.kernels.attention)
+SMALL_M_KERNELS = ("panel", "blocks", "tiles")
 CHOICE_VERSION = 6  # cached choices from before the tiles layout existed are measured again
 
 
@@ -153,7 +154,7 @@ def _blocks(model: nn.Module) -> dict:
 def measured_name(layout: str) -> str:
     """The name a layout's timings are cached under; panel's and blocks' name their kernel versions (and the
     attention they run), so the timings of an older kernel are measured again."""
-    if layout == "blocks":  # "gqa": with infer.attention's grouped-query attention
+    if layout == "blocks":  # "gqa": with heads.kernels.attention's grouped-query attention
         return f"blocks-{blocks_kernel.source_tag()}-{panel_kernel.source_tag()}-gqa"
     if layout == "tiles":
         return f"tiles-{tiles_kernel.source_tag()}-{panel_kernel.source_tag()}-gqa"

@@ -1,4 +1,4 @@
-// y[M, N] = x[M, K] @ W^T for a few rows M, fp32, AVX-512 (the "panel" weight layout, infer/panel.py).
+// y[M, N] = x[M, K] @ W^T for a few rows M, fp32, AVX-512 (the "panel" weight layout, heads/kernels/panel.py).
 //
 // W is stored once as panels: wp[P][K][48] with wp[p][k][j] = W[48p + j][k] (zero past N). One panel is a
 // contiguous K x 48 block, streamed once per call while up to 8 rows of x are multiplied against it: each

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headway.infer.panel import build_extension, from_panels, kernel_tag, to_panels
+from headway.heads.kernels.panel import build_extension, from_panels, kernel_tag, to_panels
 
 SOURCE = Path(__file__).with_name("blocks_linear.cpp")
 BLOCK = 32  # weights per scale (GGUF's Q4_1 and Q8_0 block size)

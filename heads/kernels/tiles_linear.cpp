@@ -1,5 +1,5 @@
 // y[M, N] = x[M, K] @ W^T for a few rows M with Intel AMX, W read from its GGUF block encoding (the "tiles" weight
-// layout, infer/tiles.py): W[n][k] = d[n][k/32] * q[n][k] + m[n][k/32], d and m f16 values, q small integers.
+// layout, heads/kernels/tiles.py): W[n][k] = d[n][k/32] * q[n][k] + m[n][k/32], d and m f16 values, q small integers.
 //
 // AMX multiplies bf16 tiles and accumulates in fp32. Nothing is rounded to bf16 on the way in:
 //  - every code q is an integer of at most 8 bits, exact in bf16;

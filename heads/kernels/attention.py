@@ -7,7 +7,7 @@ the whole cached context, in every layer of every forward. SDPA's GQA mode takes
 values, same softmax; only the copy goes. Measured on SmolLM2-135M (9 query heads over 3 key/value heads,
 256 cached tokens, 2-core CPU): the copies cost 1.8 ms of a 44 ms forward of 16 tokens.
 
-    use_grouped_attention(model, True)    # what the CPU kernels' weight layouts do (infer.weight_layout)
+    use_grouped_attention(model, True)    # what the CPU kernels' weight layouts do (heads.kernels.weight_layout)
     use_grouped_attention(model, False)   # back to the model's own attention (the HF baseline runs this)
 """
 

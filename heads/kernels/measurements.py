@@ -1,5 +1,5 @@
 """Where what the engine measures about a target on this machine is cached: the latency curve T(N)
-(infer.calibrate) and the faster weight layout (infer.weight_layout), both under
+(infer.calibrate) and the faster weight layout (heads.kernels.weight_layout), both under
 $HEADWAY_CACHE/calibration/<target>-<device>-<dtype>-<what>.json.
 
 Device is cuda, or cpu<threads> (the thread count changes the timings).

@@ -1,5 +1,5 @@
 // y[M, N] = x[M, K] @ W^T for a few rows M, fp32 arithmetic, AVX-512, with W read from its block-quantized
-// encoding (the "blocks" weight layout, infer/blocks.py): W[n][k] = d[n][k/32] * q[n][k] + m[n][k/32], the
+// encoding (the "blocks" weight layout, heads/kernels/blocks.py): W[n][k] = d[n][k/32] * q[n][k] + m[n][k/32], the
 // values a GGUF Q4_1 / Q8_0 tensor dequantizes to (m = 0 for Q8_0), rebuilt in registers exactly as the
 // dequantizer computes them: d * q is exact in fp32 (an f16 scale times a code of at most 8 bits), then one
 // rounded sum (built with -ffp-contract=off all the same, so no compiler fuses the two differently).

@@ -1,6 +1,6 @@
 """The "tiles" weight layout: a GGUF target's Linears multiply a few rows with Intel AMX, reading the codes.
 
-The `blocks` layout (infer/blocks.py) reads each Linear's Q4_1/Q8_0 codes and rebuilds the fp32 weights in AVX-512
+The `blocks` layout (heads/kernels/blocks.py) reads each Linear's Q4_1/Q8_0 codes and rebuilds the fp32 weights in AVX-512
 registers: a decode step streams ~1.25 bytes per weight, but every row of a tree costs its own fp32 multiply-adds,
 so 16 rows cost ~1.7-1.9x a decode step's Linear time. AMX (Sapphire Rapids and later) multiplies 16 rows by 16 columns
 by 32 k in one instruction. tiles_linear.cpp feeds it the codes themselves (small integers, exact in bf16) and x
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headway.infer import blocks as blocks_kernel
-from headway.infer.panel import build_extension, from_panels, kernel_tag
+from headway.heads.kernels import blocks as blocks_kernel
+from headway.heads.kernels.panel import build_extension, from_panels, kernel_tag
 
 SOURCE = Path(__file__).with_name("tiles_linear.cpp")
 GROUP, BLOCK = 16, 32  # output columns per tile; k per tile product (one GGUF block)

@@ -7,9 +7,9 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from headway.heads.target import load_target
-from headway.infer import panel
-from headway.infer.attention import NAME, grouped_sdpa_forward, use_grouped_attention
-from headway.infer.weight_layout import apply_layout, stock_layout
+from headway.heads.kernels import panel
+from headway.heads.kernels.attention import NAME, grouped_sdpa_forward, use_grouped_attention
+from headway.heads.kernels.weight_layout import apply_layout, stock_layout
 
 
 class Attention(nn.Module):
