@@ -18,6 +18,11 @@ per token can be checked to grow no worse than linearly with the sequence length
     python scripts/bench_train.py --scaling --heads eagle3 --lengths 512 2048 --device cuda --dtype bf16
     python scripts/bench_train.py --prompt-share 0.26                # a quarter of each row is prompt (not learnt)
     python scripts/bench_train.py --quick                           # tiny random target (smoke test)
+    python scripts/bench_train.py --precision                       # the defaults' step: fp32 vs bf16 autocast
+
+With --precision, each head's default step (training vocabulary) runs in fp32 and under bf16 autocast
+(precision=bf16, what precision=auto picks on a GPU and on a CPU with AMX), interleaved; the last line is
+EAGLE's bf16 / fp32 tokens/s.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--vocab-length", type=int, default=256, help="tokens per sequence for the vocabulary comparison")
     p.add_argument("--prompt-share", type=float, default=0.0,
                    help="share of each sequence that is prompt, not learnt (the default dataset: 0.26)")
+    p.add_argument("--precision", action="store_true", help="the default head step: fp32 vs bf16 autocast")
     p.add_argument("--quick", action="store_true", help="tiny random target, lengths 32 and 64 (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -146,12 +152,15 @@ def time_features(target, batch, layers, args, cache_dir: Path):
     return online, offline, online_mem.peak, offline_mem.peak, feats
 
 
-def time_head(head, batch, feats, args):
-    """-> (seconds per step, peak bytes) for forward + backward + AdamW step of the head alone."""
+def time_head(head, batch, feats, args, autocast: torch.dtype | None = None):
+    """-> (seconds per step, peak bytes) for forward + backward + AdamW step of the head alone; `autocast`: the
+    forward under torch.autocast to that dtype (mixed precision: the weights and the optimizer stay fp32)."""
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+    device_type = torch.device(args.device).type
 
     def step():
-        loss = head(batch["input_ids"], batch["loss_mask"], feats).loss
+        with torch.autocast(device_type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            loss = head(batch["input_ids"], batch["loss_mask"], feats).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -183,6 +192,8 @@ def main(argv=None) -> None:
     print(f"machine: {bc.machine()}; target {target.spec.name} {dtype} on {args.device}")
     if args.scaling:
         scaling(target, args)
+    elif args.precision:
+        precision(target, args)
     else:
         vocabulary(target, args)
 
@@ -220,6 +231,35 @@ def vocabulary(target, args) -> None:
         print(f"{kind}: training vocabulary {ratio:.2f}x the tokens/s of the whole-vocabulary read-out")
     kind = "eagle" if "eagle" in speedup else next(iter(speedup))
     bc.headline(speedup[kind], f"{kind} head step, training vocabulary vs whole vocabulary (tokens/s)")
+
+
+def precision(target, args) -> None:
+    """Head step tokens/s of the defaults in fp32 and under bf16 autocast, interleaved."""
+    print(f"head step only (forward + backward + AdamW), defaults, batch {args.vocab_batch} x {args.vocab_length} "
+          f"tokens, {args.steps} timed steps per point, fp32 and bf16 autocast interleaved")
+    batch = make_batch(target, args.vocab_length, args.vocab_batch, args.device, args.prompt_share)
+    counts = torch.arange(target.config.vocab_size, 0, -1)
+    tokens = args.vocab_batch * args.vocab_length
+    rows, speedup = [], {}
+    for kind in args.heads:
+        torch.manual_seed(0)
+        head = build_head(kind, target, **head_options(kind)).to(args.device).train()
+        head.init_from_data(counts)
+        feats = compute_features(target.model, batch["input_ids"], batch["attention_mask"], head.feature_layers())
+        seconds = {"fp32": [], "bf16 autocast": []}
+        for _ in range(3):  # interleaved repeats: a busy moment slows both
+            for name, dtype in (("fp32", None), ("bf16 autocast", torch.bfloat16)):
+                seconds[name].append(time_head(head, batch, feats, args, autocast=dtype)[0])
+        best = {name: min(s) for name, s in seconds.items()}
+        rows += [{"head": kind, "precision": name, "head ms/step": 1e3 * t, "train tok/s": tokens / t}
+                 for name, t in best.items()]
+        speedup[kind] = best["fp32"] / best["bf16 autocast"]
+        del head
+    bc.print_table(rows, "\n(best of 3 interleaved repeats)")
+    for kind, ratio in speedup.items():
+        print(f"{kind}: bf16 autocast {ratio:.2f}x the tokens/s of fp32")
+    kind = "eagle" if "eagle" in speedup else next(iter(speedup))
+    bc.headline(speedup[kind], f"{kind} head step, bf16 autocast vs fp32 (tokens/s)")
 
 
 def readout_rows(head) -> int:

@@ -74,6 +74,17 @@ def test_bench_train_vocabulary(script, capsys):
     assert lines[-1].startswith("eagle head step, training vocabulary vs whole vocabulary")
 
 
+def test_bench_train_precision(script, capsys):
+    """fp32 and bf16 autocast rows per head; the headline is EAGLE's fp32 / bf16 step time from that table."""
+    lines = run(script("bench_train"), ["--quick", "--precision", "--heads", "eagle", "mtp"], capsys)
+    rows = [r for r in map(str.split, lines[:-1]) if r[:1] in (["eagle"], ["mtp"])]
+    table = {(r[0], r[-3]): float(r[-2]) for r in rows}
+    assert set(table) == {(h, p) for h in ("eagle", "mtp") for p in ("fp32", "autocast")}
+    assert lines[-1].startswith("eagle head step, bf16 autocast vs fp32")
+    ratio = table["eagle", "fp32"] / table["eagle", "autocast"]
+    assert float(HEADLINE.search(lines[-1])[0][2:-1]) == pytest.approx(ratio, abs=0.02)
+
+
 def test_bench_layouts(script, capsys):
     lines = run(script("bench_layouts"), ["--target", "tiny-random", "--rows", "1", "4", "--repeats", "1"], capsys)
     table = {line.split()[0]: line.split() for line in lines[1:-1]}

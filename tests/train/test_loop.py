@@ -174,3 +174,15 @@ def test_offline_hidden_states_without_a_cache_dir_build_one_and_train_like_onli
     assert len(built) == 1 and (built[0] / "index.json").is_file()
     assert [r["loss"] for r in rows(offline, "train")] == pytest.approx([r["loss"] for r in rows(online, "train")],
                                                                        rel=1e-4)
+
+
+@pytest.mark.parametrize("amx, deepspeed, expected", [(True, False, "bf16"), (False, False, "no"), (True, True, "no")])
+def test_auto_precision_on_a_cpu_is_bf16_only_where_amx_multiplies_it(amx, deepspeed, expected, monkeypatch):
+    from headway.train.loop import auto_precision, make_accelerator
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert auto_precision(on_gpu=False, deepspeed=deepspeed) == expected
+    assert auto_precision(on_gpu=True, deepspeed=deepspeed) == "bf16"
+    if not deepspeed:
+        cfg = compose_train("head=eagle", "experiment=smoke", "device=cpu", run_dir=Path("unused"))
+        assert make_accelerator(cfg).mixed_precision == expected
