@@ -215,12 +215,9 @@ def vocabulary(target, args) -> None:
             heads[name] = head
         feats = compute_features(target.model, batch["input_ids"], batch["attention_mask"],
                                  heads["whole vocabulary"].feature_layers())
-        seconds = {name: [] for name in heads}
-        for _ in range(3):  # interleaved repeats: a busy moment slows both recipes
-            for name, head in heads.items():
-                seconds[name].append(time_head(head, batch, feats, args)[0])
+        best = best_interleaved({name: (lambda h=head: time_head(h, batch, feats, args)[0])
+                                 for name, head in heads.items()})
         tokens = args.vocab_batch * args.vocab_length
-        best = {name: min(s) for name, s in seconds.items()}
         for name, head in heads.items():
             rows.append({"head": kind, "read-out": name, "rows": readout_rows(head),
                          "head ms/step": 1e3 * best[name], "train tok/s": tokens / best[name]})
@@ -229,8 +226,22 @@ def vocabulary(target, args) -> None:
     bc.print_table(rows, "\n(rows = read-out rows trained per position; best of 3 interleaved repeats)")
     for kind, ratio in speedup.items():
         print(f"{kind}: training vocabulary {ratio:.2f}x the tokens/s of the whole-vocabulary read-out")
-    kind = "eagle" if "eagle" in speedup else next(iter(speedup))
+    kind = headline_kind(speedup)
     bc.headline(speedup[kind], f"{kind} head step, training vocabulary vs whole vocabulary (tokens/s)")
+
+
+def best_interleaved(steps: dict, repeats: int = 3) -> dict[str, float]:
+    """name -> least seconds of `steps[name]()` over `repeats` rounds that run every step once each: a busy
+    moment of the machine slows all of them alike."""
+    seconds = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            seconds[name].append(step())
+    return {name: min(s) for name, s in seconds.items()}
+
+
+def headline_kind(speedup: dict[str, float]) -> str:
+    return "eagle" if "eagle" in speedup else next(iter(speedup))
 
 
 def precision(target, args) -> None:
@@ -246,11 +257,8 @@ def precision(target, args) -> None:
         head = build_head(kind, target, **head_options(kind)).to(args.device).train()
         head.init_from_data(counts)
         feats = compute_features(target.model, batch["input_ids"], batch["attention_mask"], head.feature_layers())
-        seconds = {"fp32": [], "bf16 autocast": []}
-        for _ in range(3):  # interleaved repeats: a busy moment slows both
-            for name, dtype in (("fp32", None), ("bf16 autocast", torch.bfloat16)):
-                seconds[name].append(time_head(head, batch, feats, args, autocast=dtype)[0])
-        best = {name: min(s) for name, s in seconds.items()}
+        best = best_interleaved({name: (lambda d=dtype, h=head: time_head(h, batch, feats, args, autocast=d)[0])
+                                 for name, dtype in (("fp32", None), ("bf16 autocast", torch.bfloat16))})
         rows += [{"head": kind, "precision": name, "head ms/step": 1e3 * t, "train tok/s": tokens / t}
                  for name, t in best.items()]
         speedup[kind] = best["fp32"] / best["bf16 autocast"]
@@ -258,7 +266,7 @@ def precision(target, args) -> None:
     bc.print_table(rows, "\n(best of 3 interleaved repeats)")
     for kind, ratio in speedup.items():
         print(f"{kind}: bf16 autocast {ratio:.2f}x the tokens/s of fp32")
-    kind = "eagle" if "eagle" in speedup else next(iter(speedup))
+    kind = headline_kind(speedup)
     bc.headline(speedup[kind], f"{kind} head step, bf16 autocast vs fp32 (tokens/s)")
 
 
