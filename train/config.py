@@ -46,6 +46,7 @@ class OptimConfig:
     warmup_ratio: float = MISSING  # share of train.max_steps spent warming up
     min_lr_ratio: float = MISSING  # cosine ends at lr * min_lr_ratio
     grad_clip: float = MISSING  # max global grad norm (0 disables clipping)
+    readout_lr_scale: float = 1.0  # lr of trained read-outs (lm_head rows started from the target's) = lr x this
 
 
 @dataclass
@@ -120,6 +121,7 @@ RULES = [
     ("optim.warmup_ratio", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("optim.grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    ("optim.readout_lr_scale", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     ("train.max_steps", lambda v: v >= 1, ">= 1"),
     ("train.batch_size", lambda v: v >= 1, ">= 1"),
     ("train.grad_accum", lambda v: v >= 1, ">= 1"),

@@ -77,7 +77,7 @@ def train(cfg: DictConfig) -> Path:
     while step < end:
         lr = lr_at(step, cfg.optim, t.max_steps)
         for group in (g for opt in job.optimizers for g in opt.param_groups):
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         for _ in range(t.grad_accum):
             micro_step(job, next(batches), window, max_norm=cfg.optim.grad_clip or math.inf, step=step + 1,
                        loss_on=cfg.train.loss_on)
@@ -112,13 +112,19 @@ def train(cfg: DictConfig) -> Path:
 # ---------------------------------------------------------------------------------------- set-up
 
 def auto_precision(on_gpu: bool, deepspeed: bool) -> str:
-    """bf16 autocast on a GPU, and on a CPU whose matrix unit multiplies bf16 (AMX: oneDNN's bf16 GEMM ~4x its
-    fp32 one there, the head's step ~1.4x faster: docs/training.md); fp32 on other CPUs, where bf16 is slow,
-    and under DeepSpeed's CPU accelerator."""
+    """bf16 autocast on a GPU, and on a CPU with bf16 multiply instructions: AMX (Intel Sapphire Rapids and
+    later) or AVX512-BF16 (e.g. AMD Zen 4), where oneDNN's bf16 GEMM outruns its fp32 one and the head's step
+    is ~1.5-1.8x faster (docs/training.md); fp32 on other CPUs, where bf16 is emulated and slow, and under
+    DeepSpeed's CPU accelerator."""
     if on_gpu:
         return "bf16"
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return "bf16" if amx and not deepspeed else "no"
+    return "bf16" if cpu_multiplies_bf16() and not deepspeed else "no"
+
+
+def cpu_multiplies_bf16() -> bool:
+    """The CPU has AMX tiles or AVX512-BF16 dot products (bf16 in hardware, not emulated)."""
+    return any(getattr(torch.cpu, probe, lambda: False)()
+               for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
 
 
 def make_accelerator(cfg: DictConfig) -> Accelerator:
@@ -248,16 +254,19 @@ def load_frozen_target(accelerator: Accelerator, cfg: DictConfig):
 
 
 def make_optimizers(head: DraftHead, optim: DictConfig) -> list[torch.optim.Optimizer]:
-    """AdamW; weight decay on matrices only (nanoGPT): norms and biases are not decayed.
+    """AdamW; weight decay on matrices only (nanoGPT): norms and biases are not decayed. Trained read-outs
+    (`lm_head` rows that start as the target's) learn at lr x `optim.readout_lr_scale`.
     `optim.name=muon`: Muon (orthogonalised momentum, torch.optim.Muon, its update scaled to AdamW's RMS so
     the same lr and weight decay apply) for the hidden weight matrices, AdamW for read-outs, norms, biases."""
     params = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
-    matrices = [p for n, p in params if p.dim() >= 2]
+    readouts = [p for n, p in params if "lm_head" in n]
+    matrices = [p for n, p in params if p.dim() >= 2 and "lm_head" not in n]
     if optim.name == "muon":
         hidden = [p for n, p in params if p.dim() == 2 and "lm_head" not in n]  # read-outs stay on AdamW
         matrices = [p for p in matrices if all(p is not q for q in hidden)]
     groups = [{"params": matrices, "weight_decay": optim.weight_decay},
-              {"params": [p for n, p in params if p.dim() < 2], "weight_decay": 0.0}]
+              {"params": readouts, "weight_decay": optim.weight_decay, "lr_scale": optim.readout_lr_scale},
+              {"params": [p for n, p in params if p.dim() < 2 and "lm_head" not in n], "weight_decay": 0.0}]
     optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, betas=tuple(optim.betas),
                                     eps=optim.eps)]
     if optim.name == "muon" and hidden:

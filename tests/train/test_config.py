@@ -95,6 +95,7 @@ def test_a_wrong_type_fails_at_compose_time():
     ("cpu_threads=0", "cpu_threads"),
     ("cpu_threads=many", "cpu_threads"),
     ("train.loss_on=prompts", "train.loss_on"),
+    ("optim.readout_lr_scale=0", "optim.readout_lr_scale"),
 ])
 def test_a_bad_value_fails_with_one_line_naming_the_key(override, key):
     with pytest.raises(ConfigError) as err:

@@ -132,6 +132,33 @@ def test_muon_trains_hidden_matrices_and_resumes_like_an_uninterrupted_run(tmp_p
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_readout_lr_scale_moves_only_the_read_out_at_its_own_rate():
+    """optim.readout_lr_scale: the lm_head rows (started from the target's) sit in their own AdamW group whose
+    lr is the schedule's times the scale, so after one step of Adam (update ~ lr) the read-out moved `scale`
+    times as far as with scale 1, and every other parameter moved exactly as far."""
+    from headway.heads.base import build_head
+    from headway.heads.target import load_target
+    from headway.train.loop import make_optimizers
+
+    target = load_target({"path": "tiny-random", "name": "tiny-random"})
+    moved = {}
+    for scale in (1.0, 0.1):
+        torch.manual_seed(0)
+        head = build_head("eagle3", target)
+        cfg = compose_train("head=eagle3", "experiment=smoke", f"optim.readout_lr_scale={scale}")
+        (opt,) = make_optimizers(head, cfg.optim)
+        for group in opt.param_groups:  # what the loop does each step
+            group["lr"] = cfg.optim.lr * group.get("lr_scale", 1.0)
+        before = {n: p.detach().clone() for n, p in head.named_parameters()}
+        for p in head.parameters():
+            p.grad = torch.ones_like(p) if p.requires_grad else None
+        opt.step()
+        moved[scale] = {n: (p.detach() - before[n]).abs().max().item() for n, p in head.named_parameters()}
+    assert moved[0.1]["lm_head.weight"] == pytest.approx(0.1 * moved[1.0]["lm_head.weight"], rel=1e-3)
+    others = [n for n in moved[1.0] if n != "lm_head.weight" and moved[1.0][n] > 0]
+    assert others and all(moved[0.1][n] == pytest.approx(moved[1.0][n]) for n in others)
+
+
 def test_resume_finds_checkpoints_and_rejects_bad_paths(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / ".tmp_step_0000009").mkdir(parents=True)  # a save killed half-way
@@ -176,11 +203,15 @@ def test_offline_hidden_states_without_a_cache_dir_build_one_and_train_like_onli
                                                                        rel=1e-4)
 
 
-@pytest.mark.parametrize("amx, deepspeed, expected", [(True, False, "bf16"), (False, False, "no"), (True, True, "no")])
-def test_auto_precision_on_a_cpu_is_bf16_only_where_amx_multiplies_it(amx, deepspeed, expected, monkeypatch):
+@pytest.mark.parametrize("amx, avx512_bf16, deepspeed, expected",
+                         [(True, False, False, "bf16"), (False, True, False, "bf16"), (False, False, False, "no"),
+                          (True, True, True, "no")])
+def test_auto_precision_on_a_cpu_is_bf16_only_where_the_hardware_multiplies_it(amx, avx512_bf16, deepspeed, expected,
+                                                                              monkeypatch):
     from headway.train.loop import auto_precision, make_accelerator
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     assert auto_precision(on_gpu=False, deepspeed=deepspeed) == expected
     assert auto_precision(on_gpu=True, deepspeed=deepspeed) == "bf16"
     if not deepspeed:
