@@ -88,7 +88,7 @@ class TrainConfig:
     logger: LoggerConfig = MISSING
     resume: Optional[str] = None  # null | latest (newest checkpoint of this run dir) | a checkpoint or run dir
     device: str = "auto"  # auto (GPU when present) | cpu
-    precision: str = "auto"  # mixed precision: auto (bf16 on GPU and on an AMX CPU, else none) | no | bf16 | fp16
+    precision: str = "auto"  # mixed precision: auto (bf16 on GPU and on a CPU with AMX or AVX512-BF16, else none) | no | bf16 | fp16
     cpu_threads: str = "auto"  # on CPU: auto (physical cores / local processes) | N threads per process
     output_dir: str = MISSING  # the run dir; conf/train.yaml sets it to Hydra's output dir
 
