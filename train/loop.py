@@ -76,8 +76,7 @@ def train(cfg: DictConfig) -> Path:
     job.model.train()
     while step < end:
         lr = lr_at(step, cfg.optim, t.max_steps)
-        for group in (g for opt in job.optimizers for g in opt.param_groups):
-            group["lr"] = lr * group.get("lr_scale", 1.0)
+        set_lr(job.optimizers, lr)
         for _ in range(t.grad_accum):
             micro_step(job, next(batches), window, max_norm=cfg.optim.grad_clip or math.inf, step=step + 1,
                        loss_on=cfg.train.loss_on)
@@ -260,19 +259,24 @@ def make_optimizers(head: DraftHead, optim: DictConfig) -> list[torch.optim.Opti
     the same lr and weight decay apply) for the hidden weight matrices, AdamW for read-outs, norms, biases."""
     params = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
     readouts = [p for n, p in params if "lm_head" in n]
-    matrices = [p for n, p in params if p.dim() >= 2 and "lm_head" not in n]
-    if optim.name == "muon":
-        hidden = [p for n, p in params if p.dim() == 2 and "lm_head" not in n]  # read-outs stay on AdamW
-        matrices = [p for p in matrices if all(p is not q for q in hidden)]
+    rest = [p for n, p in params if "lm_head" not in n]
+    hidden = [p for p in rest if p.dim() == 2] if optim.name == "muon" else []  # Muon's; read-outs stay on AdamW
+    matrices = [p for p in rest if p.dim() >= 2 and all(p is not q for q in hidden)]
     groups = [{"params": matrices, "weight_decay": optim.weight_decay},
               {"params": readouts, "weight_decay": optim.weight_decay, "lr_scale": optim.readout_lr_scale},
-              {"params": [p for n, p in params if p.dim() < 2 and "lm_head" not in n], "weight_decay": 0.0}]
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, betas=tuple(optim.betas),
                                     eps=optim.eps)]
     if optim.name == "muon" and hidden:
         optimizers.insert(0, torch.optim.Muon(hidden, lr=optim.lr, weight_decay=optim.weight_decay,
                                               adjust_lr_fn="match_rms_adamw"))
     return optimizers
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
+    """The schedule's lr for this step, times each group's `lr_scale` (read-outs: optim.readout_lr_scale)."""
+    for group in (g for opt in optimizers for g in opt.param_groups):
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def make_loaders(cfg: DictConfig, train_ds, val_ds, pad_id: int, num_processes: int):

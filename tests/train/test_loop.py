@@ -138,7 +138,7 @@ def test_readout_lr_scale_moves_only_the_read_out_at_its_own_rate():
     times as far as with scale 1, and every other parameter moved exactly as far."""
     from headway.heads.base import build_head
     from headway.heads.target import load_target
-    from headway.train.loop import make_optimizers
+    from headway.train.loop import make_optimizers, set_lr
 
     target = load_target({"path": "tiny-random", "name": "tiny-random"})
     moved = {}
@@ -147,8 +147,7 @@ def test_readout_lr_scale_moves_only_the_read_out_at_its_own_rate():
         head = build_head("eagle3", target)
         cfg = compose_train("head=eagle3", "experiment=smoke", f"optim.readout_lr_scale={scale}")
         (opt,) = make_optimizers(head, cfg.optim)
-        for group in opt.param_groups:  # what the loop does each step
-            group["lr"] = cfg.optim.lr * group.get("lr_scale", 1.0)
+        set_lr([opt], cfg.optim.lr)  # what the loop does each step
         before = {n: p.detach().clone() for n, p in head.named_parameters()}
         for p in head.parameters():
             p.grad = torch.ones_like(p) if p.requires_grad else None
