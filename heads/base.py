@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from headway.heads.files import atomic_path
+from headway.heads.kernels.gemm import many_rows
 from headway.heads.target import Target, TargetError, TargetSpec, target_parts
 
 HEAD_REGISTRY: dict[str, type["DraftHead"]] = {}
@@ -82,11 +83,13 @@ class TargetFeatures:
 @torch.no_grad()
 def compute_features(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
                      layers: list[int], with_logits: bool = False) -> TargetFeatures:
-    """Run the frozen target once and keep only the hidden states a head asks for."""
+    """Run the frozen target once and keep only the hidden states a head asks for (whole sequences: the
+    machine's faster many-row GEMM, heads/kernels/gemm.py)."""
     num_layers = model.config.num_hidden_layers
     check_layer_ids(layers, num_layers)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                use_cache=False, logits_to_keep=0 if with_logits else 1)
+    with many_rows(model):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                    use_cache=False, logits_to_keep=0 if with_logits else 1)
     hidden = {i: out.hidden_states[i] for i in sorted(set(layers) | {num_layers})}
     return TargetFeatures(hidden, num_layers, out.logits.float() if with_logits else None)
 

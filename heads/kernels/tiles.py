@@ -24,10 +24,10 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headway.heads.kernels import blocks as blocks_kernel
+from headway.heads.kernels.gemm import many_rows_linear
 from headway.heads.kernels.panel import build_extension, from_panels, kernel_tag
 
 SOURCE = Path(__file__).with_name("tiles_linear.cpp")
@@ -93,12 +93,13 @@ def tile_weights(blocks: blocks_kernel.BlockWeights, N: int) -> TileWeights:
 
 
 def tiles_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward through the AMX kernel for 1..MAX_ROWS rows; F.linear otherwise."""
+    """nn.Linear.forward through the AMX kernel for 1..MAX_ROWS rows; many_rows_linear otherwise."""
     rows = x.numel() // linear.in_features
     tiles, weight = linear.tile_weights, linear.weight
     if (not 1 <= rows <= MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32
             or x.device.type != "cpu" or tiles.stamp != (weight.data_ptr(), weight._version)):
-        return F.linear(x, weight, linear.bias)  # prefill, training, or a weight changed since it was matched
+        # prefill (the faster many-row GEMM), training, or a weight changed since it was matched
+        return many_rows_linear(x, weight, linear.bias)
     ext = kernel()
     parts, sums = ext.split_rows(x.reshape(rows, linear.in_features).contiguous())  # x's bf16 parts
     out = ext.tiles_linear(parts, sums, tiles.codes, tiles.scales, tiles.offsets, linear.out_features,

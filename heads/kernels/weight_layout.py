@@ -40,7 +40,8 @@ The layouts (same values, same modules, same transformers code; only how F.linea
                add up to it exactly, so every product is exact and only fp32 sums round (heads/kernels/tiles.py);
                16 rows cost ~1.4 rows' time instead of ~1.7; the other Linears as in panel
                panel, blocks and tiles also run masked grouped-query attention without per-head copies
-               (heads/kernels/attention.py); the other layouts keep the model's own attention
+               (heads/kernels/attention.py); the other layouts keep the model's own attention; the rows their kernels
+               do not take go through the machine's faster many-row GEMM, MKL or oneDNN (heads/kernels/gemm.py)
   auto         on a CPU, the layout with the least T(1) + T(8) + T(16) (a decode step, a typical and a large tree),
                measured once per target, threads and dtype while the machine is quiet (heads.kernels.quiet), and
                cached beside the T(N) curve; stock elsewhere (cuBLAS reads every layout at full speed)

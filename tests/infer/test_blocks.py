@@ -12,7 +12,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from headway.heads.target import load_target, local_gguf
-from headway.heads.kernels import blocks, panel, tiles
+from headway.heads.kernels import blocks, gemm, panel, tiles
 from headway.infer.engine import Engine
 from headway.heads.kernels.weight_layout import _linears, apply_layout, candidates, current_layout
 
@@ -123,7 +123,7 @@ def test_a_weight_that_differs_in_one_value_is_not_matched(target):
 @pytest.mark.parametrize("layout", CODE_LAYOUTS)
 def test_blocks_layout_keeps_outputs_and_engine_tokens(target, layout):
     model = target.model
-    ids = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 200, (2, 70), generator=torch.Generator().manual_seed(0))
     prompts = [[5, 9, 13, 40], [7, 3]]
     with torch.inference_mode():
         reference = model(input_ids=ids).logits
@@ -131,10 +131,13 @@ def test_blocks_layout_keeps_outputs_and_engine_tokens(target, layout):
     assert layout in candidates(model)
     engine = Engine(target, weight_layout=layout)
     assert current_layout(model) == layout and all(blocks.uses_blocks(l) for l in _linears(model))
+    backends = ["mkl"] + (["onednn"] if gemm.onednn_available() else [])
     with torch.inference_mode():
-        for width in (1, 5, 11):  # a decode step, a tree, a prefill (stock GEMM past MAX_ROWS rows: not here)
-            torch.testing.assert_close(model(input_ids=ids[:, :width]).logits, reference[:, :width],
-                                       rtol=1e-4, atol=1e-4)
+        for backend in backends:  # a prefill past the kernel's rows takes either many-row GEMM
+            with gemm.forced_backend(backend):
+                for width in (1, 5, 11, 70):  # a decode step, a tree, prefills (140 rows: past every kernel's)
+                    torch.testing.assert_close(model(input_ids=ids[:, :width]).logits, reference[:, :width],
+                                               rtol=1e-4, atol=1e-4)
     assert engine.generate(prompts, max_new_tokens=12, stop_on_eos=False).tokens == expected
 
 

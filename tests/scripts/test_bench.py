@@ -91,6 +91,14 @@ def test_bench_layouts(script, capsys):
     assert {"stock", "wide-column"} <= set(table) and table["stock"][-2:] == ["1", "1"]  # stock vs itself
 
 
+def test_bench_gemm(script, capsys):
+    if not __import__("torch").backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    lines = run(script("bench_gemm"), ["--target", "tiny-random", "--rows", "4", "16", "--repeats", "1"], capsys)
+    table = {line.split()[0]: line.split() for line in lines[1:-1]}
+    assert {"mkl", "onednn"} <= set(table) and "at 16 rows: MKL / oneDNN" in lines[-1]
+
+
 def test_bench_layouts_refuses_zero_rows(script, capsys):
     with pytest.raises(SystemExit) as exit_:
         script("bench_layouts").main(["--target", "tiny-random", "--rows", "0"])
@@ -117,7 +125,8 @@ def test_bench_generate_compares_weight_layouts(script, capsys):
 
 
 @pytest.mark.parametrize("layout,why", [("tiles", "tiles: weight_layout=tiles needs a target"),
-                                        ("nosuch", "nosuch: use one of auto, stock")])
+                                        ("nosuch", "nosuch: use one of auto, stock"),
+                                        ("stock:blas", "stock:blas: the GEMM after ':' must be one of mkl, onednn")])
 def test_bench_generate_refuses_a_layout_before_generating(script, capsys, layout, why):
     with pytest.raises(SystemExit) as exit_:
         script("bench_generate").main(["--target", "tiny-random", "--prompts", "2", "--weight-layouts", "stock", layout])
