@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--tree", nargs="*", default=[], metavar="KEY=VALUE",
                    help="drafter options for the heads (infer.drafters.build_drafter), e.g. policy=dynamic top_k=3")
     p.add_argument("--weight-layout", default="auto", choices=LAYOUTS, help="the engines' weight layout")
+    p.add_argument("--stop-unpaid-drafting", default="sampling", choices=["sampling", "always", "never"],
+                   help="the engines' guard (infer/payoff.py): when to stop drafting that does not pay")
     p.add_argument("--quick", action="store_true", help="tiny random target, 2 prompts, 8 tokens (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -81,7 +83,7 @@ def build_methods(args, target) -> dict:
         return run
 
     def engine(drafter, layout=args.weight_layout):
-        eng = Engine(target, drafter, weight_layout=layout)
+        eng = Engine(target, drafter, weight_layout=layout, stop_unpaid_drafting=args.stop_unpaid_drafting)
 
         def run(ids, temperature, seed):
             out = eng.generate([ids], max_new_tokens=args.max_new_tokens, temperature=temperature, seed=seed)

@@ -47,6 +47,15 @@ def test_bench_decode(script, capsys, tmp_path):
     assert greedy and all(line.split()[-2] == "2/2" for line in greedy)  # the column before "drafting stopped"
 
 
+def test_bench_decode_passes_the_drafting_guard(script, capsys):
+    module = script("bench_decode")
+    lines = run(module, ["--quick", "--temperatures", "0", "--stop-unpaid-drafting", "never"], capsys)
+    greedy = [line for line in lines if line.strip().startswith("0 ") and "headway" in line]
+    assert greedy and all(line.split()[-1] in ("0/2", "-") for line in greedy)  # never: drafting never stopped
+    with pytest.raises(SystemExit):
+        module.parse_args(["--stop-unpaid-drafting", "sometimes"])
+
+
 def test_bench_batch(script, capsys):
     lines = run(script("bench_batch"), ["--quick"], capsys)
     assert any(line.split()[:1] == ["4"] for line in lines)  # a row for batch 4
