@@ -416,7 +416,9 @@ class AutoTree(TreePolicy):
       acceptance   per-depth top-1 acceptance: given, else the head's last validation, else PRIOR;
       T(N)         the target's measured latency curve (the engine's TreeBudget; flat without one);
       draft cost   c = weights one draft level reads / the target's weights (decoding reads every weight
-                   once per step, so a level costs c plain steps), or `draft_cost` if given.
+                   once per step, so a level costs c plain steps), or `draft_cost` if given; once the engine
+                   has drafted with this policy, the cost it measured (observe_draft_cost): on a CPU whose
+                   decode step is fast, a level's Python and small kernels cost far more than its weights say.
     The batch-size throttle of the budget caps the tree; a plan of no nodes means plain decoding, chosen too
     when the best tree's predicted speedup is below `min_gain` (the cost model is approximate)."""
 
@@ -430,11 +432,18 @@ class AutoTree(TreePolicy):
         self.top_k, self.max_depth, self.draft_cost = top_k, max_depth, draft_cost
         self.min_gain = min_gain  # draft only for a predicted speedup this large: the model is approximate
         self.tree, self.planned = StaticTree([(0,)]), None
+        self.measured_cost: float | None = None  # a draft level in plain steps, as the engine timed it
 
     def plan(self, proposer: Proposer, budget, batch_size: int, target_params: int) -> None:
         depth = min(self.max_depth, proposer.max_depth or self.max_depth)
         rates = (self.acceptance or proposer.acceptance or list(self.PRIOR))[:depth]
-        cost = self.draft_cost if self.draft_cost is not None else proposer.level_params() / target_params
+        if self.draft_cost is not None:
+            cost, self.planned_cost_source = self.draft_cost, "given"
+        elif self.measured_cost is not None:
+            cost, self.planned_cost_source = self.measured_cost, "measured"
+        else:
+            cost, self.planned_cost_source = proposer.level_params() / target_params, "weights"
+        self.planned_cost = cost
         cap = budget.max_tokens(batch_size)
         plain = budget.latency(batch_size) if budget.curve else 1.0
 
@@ -448,6 +457,10 @@ class AutoTree(TreePolicy):
             self.planned = TreePlan(*self.planned.curve[0], self.planned.curve)
         if self.planned.size:
             self.tree = StaticTree.from_accuracies(rates, total_nodes=self.planned.size + 1, top_k=self.top_k)
+
+    def observe_draft_cost(self, cost: float) -> None:
+        """What one draft level cost in plain steps, measured by the engine; later plans use it."""
+        self.measured_cost = float(cost)
 
     def size(self, max_depth: int | None) -> int:
         return 1 + self.planned.size if self.planned else self.tree.size(max_depth)
@@ -502,8 +515,15 @@ class TreeDrafter(Drafter):
         plan = getattr(self.policy, "planned", None)
         if plan is not None:  # the last plan: what the cost model expected
             info.update(nodes=plan.size + 1, depth=plan.depth, expected_tau=round(plan.expected_tokens, 3),
-                        predicted_speedup=round(plan.speedup, 3))
+                        predicted_speedup=round(plan.speedup, 3), draft_cost=round(getattr(self.policy, "planned_cost", 0.0), 4),
+                        draft_cost_from=getattr(self.policy, "planned_cost_source", None))
         return info
+
+    def observe_draft_cost(self, cost: float) -> None:
+        """The engine's measurement of one draft level in plain steps, for a policy that plans with it."""
+        observe = getattr(self.policy, "observe_draft_cost", None)
+        if observe is not None:
+            observe(cost)
 
     def reset(self, prompt, lengths, max_len, sampling=None):
         self.sampling = sampling or Sampling()

@@ -60,6 +60,9 @@ from headway.infer.verify import verify_tree
 from headway.infer.payoff import DraftingGuard
 from headway.heads.kernels.weight_layout import apply_layout, current_layout
 
+COST_WARMUP_STEPS = 4  # speculative steps of a call left out of its draft-cost measurement (one-off costs)
+MIN_COST_STEPS = 8  # steps measured before a call reports what a draft level cost
+
 
 class EngineError(ValueError):
     """Bad generation arguments; the message says what to do."""
@@ -158,7 +161,10 @@ class Engine:
         stop_unpaid_drafting: "sampling" (default) = when sampling (temperature > 0), decode plainly for the rest
         of a generate() call once its own speculative steps show that drafting costs more than it gains
         (infer.payoff); "always" = greedy calls too; "never". Needs the measured T(N) curve, so never with
-        budget="static" (how fixed trees are measured)."""
+        budget="static" (how fixed trees are measured). Unless "never", a call also tells the drafter what a
+        draft level cost it (in plain steps), and an `auto` tree plans the next calls with that cost
+        instead of the estimate from the head's weights; "never" keeps the plan (the evaluator, which measures
+        the head, uses it)."""
         self.model = target.model if hasattr(target, "model") else target
         self.tokenizer = getattr(target, "tokenizer", None)
         self.drafter = drafter
@@ -272,6 +278,8 @@ class _Run:
         self.layers = sorted(set(wanted) | {engine.num_layers}) if wanted else []
         self.guard = self.drafting_guard()
         self.forward_s = 0.0  # the last speculative step's target forward
+        self.planner = drafter  # told what its draft levels cost (even if drafting stops during the call)
+        self.level_costs: list[float] = []  # per speculative step: one draft level, in plain steps
 
     def drafting_guard(self) -> DraftingGuard | None:
         when = self.e.stop_unpaid_drafting
@@ -298,6 +306,7 @@ class _Run:
                     self.drafter = None
                     self.stats.drafting_stopped_at = self.stats.target_forwards
         t2 = time.perf_counter()
+        self.report_draft_cost()
         tokens = [self.out[b, :int(self.count[b])].tolist() for b in range(self.B)]
         self.stats.new_tokens = sum(len(t) for t in tokens)
         self.stats.prefill_s, self.stats.decode_s = t1 - t0, t2 - t1
@@ -331,6 +340,7 @@ class _Run:
         return nxt
 
     def speculative_step(self, root: Tensor) -> Tensor:
+        drafting = time.perf_counter()
         draft = self.drafter.propose(root, self.nodes)
         tokens, parents = draft.tokens, draft.parents
         n = tokens.shape[1]
@@ -362,7 +372,27 @@ class _Run:
         positions = plan.start[:, None] + torch.arange(path.shape[1])
         self.drafter.commit(new.clamp(min=0), self.features(out, path), positions, num)
         self.emit(new, num)
+        self.time_draft_level(time.perf_counter() - drafting - self.forward_s, int(depth.max()), n)
         return new.gather(1, (num - 1)[:, None])[:, 0]
+
+    # ------------------------------------------------------------------------------ the draft's cost
+    def time_draft_level(self, draft_s: float, levels: int, nodes: int) -> None:
+        """What one step spent besides its target forward (drafting, verifying, the drafter's commit), per draft
+        level, in plain steps: a plain step's time is this step's own target forward scaled by the calibrated
+        T(B) / T(B x nodes), so a busy machine slows both sides alike."""
+        budget = self.e.budget
+        if levels < 1 or not budget.curve or self.forward_s <= 0:
+            return
+        plain_s = self.forward_s * budget.latency(self.B) / budget.latency(self.B * nodes)
+        self.level_costs.append(draft_s / levels / plain_s)
+
+    def report_draft_cost(self) -> None:
+        """Tell the drafter what a draft level cost in this call (the median step after the first few, which
+        pay one-off costs), so its next plan weighs drafting by what it costs here, not by its weights."""
+        costs = sorted(self.level_costs[COST_WARMUP_STEPS:])
+        observe = getattr(self.planner, "observe_draft_cost", None)
+        if len(costs) >= MIN_COST_STEPS and observe is not None and self.e.stop_unpaid_drafting != "never":
+            observe(costs[len(costs) // 2])
 
     # -------------------------------------------------------------------------------------- helpers
     def pick(self, logits: Tensor) -> Tensor:  # [B, V] -> [B]

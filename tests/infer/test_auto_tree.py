@@ -76,3 +76,31 @@ def test_a_marginal_gain_is_not_worth_drafting():
     budget = TreeBudget(max_nodes=8, curve={1: 1.0, 2: 1.45, 8: 1.45})  # best plan: ~1.02x predicted
     assert planned(AutoTree(min_gain=1.0), head, budget).size > 0
     assert planned(AutoTree(), head, budget).size == 0
+
+
+def test_a_measured_draft_cost_replaces_the_weight_estimate():
+    policy, head, budget = AutoTree(), Proposer([0.6, 0.5, 0.4], level_params=1), TreeBudget(max_nodes=16)
+    assert planned(policy, head, budget).size > 0  # a level's weights: 0.1% of the target's
+    policy.observe_draft_cost(1.0)  # but the engine timed each level at a whole plain step
+    assert planned(policy, head, budget).size == 0 and policy.planned_cost == 1.0
+    assert policy.planned_cost_source == "measured"
+    assert planned(AutoTree(draft_cost=0.001), head, budget).size > 0  # a given cost still wins
+
+
+def test_the_engine_reports_what_a_draft_level_cost_and_the_next_call_plans_with_it():
+    target = load_target({"path": "tiny-random", "name": "tiny-random"})
+    torch.manual_seed(0)
+    drafter = build_drafter("head", target, head=build_head("eagle", target), acceptance=[0.9, 0.8, 0.7], top_k=2)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    plain = Engine(target).generate(prompts, max_new_tokens=40, stop_on_eos=False).tokens
+    budget = TreeBudget(max_nodes=16, curve={1: 1.0, 2: 1.0, 64: 1.0})
+    unmeasured = Engine(target, drafter, budget=budget, stop_unpaid_drafting="never")  # the evaluator's setting
+    assert unmeasured.generate(prompts, max_new_tokens=40, stop_on_eos=False).tokens == plain
+    assert drafter.policy.measured_cost is None  # "never": the plan from the head's weights stays
+    engine = Engine(target, drafter, budget=budget)
+    assert engine.generate(prompts, max_new_tokens=40, stop_on_eos=False).tokens == plain
+    measured = drafter.policy.measured_cost
+    assert measured is not None and measured > 0  # a random head accepts little: many steps were timed
+    out = engine.generate(prompts, max_new_tokens=40, stop_on_eos=False)
+    assert out.tokens == plain and drafter.describe()["draft_cost_from"] == "measured"
+    assert drafter.policy.planned_cost == measured  # the second call planned with the first call's measurement
