@@ -59,14 +59,21 @@ def test_the_recorded_validation_acceptance_is_loaded_with_the_head(tmp_path):
     assert load_head(tmp_path / "final", target).acceptance == [0.5, 0.25]  # depth 3 never measured
 
 
-def test_an_auto_tree_engine_plans_from_the_budget_and_stays_lossless():
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
+
+
+def head_drafter_and_plain_output(kind: str, max_new_tokens: int):
+    """A tiny target, an untrained `kind` head drafting through an auto tree, and plain decoding's PROMPTS output."""
     target = load_target({"path": "tiny-random", "name": "tiny-random"})
     torch.manual_seed(0)
-    drafter = build_drafter("head", target, head=build_head("mtp", target), acceptance=[0.9, 0.8, 0.7], top_k=2)
-    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    plain = Engine(target).generate(prompts, max_new_tokens=12, stop_on_eos=False).tokens
+    drafter = build_drafter("head", target, head=build_head(kind, target), acceptance=[0.9, 0.8, 0.7], top_k=2)
+    return target, drafter, Engine(target).generate(PROMPTS, max_new_tokens=max_new_tokens, stop_on_eos=False).tokens
+
+
+def test_an_auto_tree_engine_plans_from_the_budget_and_stays_lossless():
+    target, drafter, plain = head_drafter_and_plain_output("mtp", 12)
     engine = Engine(target, drafter, budget=TreeBudget(max_nodes=16))
-    out = engine.generate(prompts, max_new_tokens=12, stop_on_eos=False)
+    out = engine.generate(PROMPTS, max_new_tokens=12, stop_on_eos=False)
     assert out.tokens == plain
     assert drafter.policy.planned.size >= 2  # mtp (2 depths) at rates 0.9/0.8: drafting pays
 
@@ -88,19 +95,15 @@ def test_a_measured_draft_cost_replaces_the_weight_estimate():
 
 
 def test_the_engine_reports_what_a_draft_level_cost_and_the_next_call_plans_with_it():
-    target = load_target({"path": "tiny-random", "name": "tiny-random"})
-    torch.manual_seed(0)
-    drafter = build_drafter("head", target, head=build_head("eagle", target), acceptance=[0.9, 0.8, 0.7], top_k=2)
-    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    plain = Engine(target).generate(prompts, max_new_tokens=40, stop_on_eos=False).tokens
+    target, drafter, plain = head_drafter_and_plain_output("eagle", 40)
     budget = TreeBudget(max_nodes=16, curve={1: 1.0, 2: 1.0, 64: 1.0})
     unmeasured = Engine(target, drafter, budget=budget, stop_unpaid_drafting="never")  # the evaluator's setting
-    assert unmeasured.generate(prompts, max_new_tokens=40, stop_on_eos=False).tokens == plain
+    assert unmeasured.generate(PROMPTS, max_new_tokens=40, stop_on_eos=False).tokens == plain
     assert drafter.policy.measured_cost is None  # "never": the plan from the head's weights stays
     engine = Engine(target, drafter, budget=budget)
-    assert engine.generate(prompts, max_new_tokens=40, stop_on_eos=False).tokens == plain
+    assert engine.generate(PROMPTS, max_new_tokens=40, stop_on_eos=False).tokens == plain
     measured = drafter.policy.measured_cost
     assert measured is not None and measured > 0  # a random head accepts little: many steps were timed
-    out = engine.generate(prompts, max_new_tokens=40, stop_on_eos=False)
+    out = engine.generate(PROMPTS, max_new_tokens=40, stop_on_eos=False)
     assert out.tokens == plain and drafter.describe()["draft_cost_from"] == "measured"
     assert drafter.policy.planned_cost == measured  # the second call planned with the first call's measurement
