@@ -1,9 +1,9 @@
 """Many-row fp32 Linear on a CPU: MKL's GEMM or oneDNN's, whichever this machine runs faster.
 
 PyTorch hands an fp32 F.linear to MKL. MKL picks its code path by CPU vendor, and on AMD CPUs it leaves
-AVX-512 unused: on a 2-core AMD EPYC with AVX-512, one thread, 128 rows through SmolLM2-135M's shapes ran at
-77-93 GFLOP/s under MKL and 184-212 under oneDNN (the read-out 576 x 49,152: 49 against 148-154;
-scripts/bench_gemm.py). oneDNN chooses by instruction set, not vendor. On the Intel CPUs measured, MKL is
+AVX-512 unused: on a 2-core AMD EPYC (Zen 5), 2 threads, every Linear of SmolLM2-135M at 128-512 rows ran at
+153-172 GFLOP/s under MKL and 324-357 under oneDNN (scripts/bench_gemm.py; docs/inference.md). oneDNN
+chooses by instruction set, not vendor. On the Intel CPUs measured, MKL is
 as fast or faster. So the CPU weight layouts (panel, blocks, tiles) send the rows their own kernels do not
 take (a prefill, a decoding batch of data generation, the hidden-state cache pass) through
 `many_rows_linear`, which uses oneDNN's fp32 GEMM (`torch.ops.mkldnn._linear_pointwise`, the op inductor's

@@ -47,11 +47,20 @@ def test_bench_decode(script, capsys, tmp_path):
     assert greedy and all(line.split()[-2] == "2/2" for line in greedy)  # the column before "drafting stopped"
 
 
-def test_bench_decode_passes_the_drafting_guard(script, capsys):
+def test_bench_decode_passes_the_drafting_guard(script, capsys, monkeypatch):
     module = script("bench_decode")
-    lines = run(module, ["--quick", "--temperatures", "0", "--stop-unpaid-drafting", "never"], capsys)
+    guards = []
+
+    class Recording(module.Engine):  # the real engine, noting the guard each speculative engine was given
+        def __init__(self, target, drafter=None, **kwargs):
+            super().__init__(target, drafter, **kwargs)
+            if drafter is not None:
+                guards.append(self.stop_unpaid_drafting)
+    monkeypatch.setattr(module, "Engine", Recording)
+    lines = run(module, ["--quick", "--temperatures", "0", "--stop-unpaid-drafting", "always"], capsys)
+    assert guards == ["always"]  # prompt lookup's engine (no head folder given)
     greedy = [line for line in lines if line.strip().startswith("0 ") and "headway" in line]
-    assert greedy and all(line.split()[-1] in ("0/2", "-") for line in greedy)  # never: drafting never stopped
+    assert greedy and all(line.split()[-2] == "2/2" for line in greedy)  # still lossless
     with pytest.raises(SystemExit):
         module.parse_args(["--stop-unpaid-drafting", "sometimes"])
 
