@@ -39,7 +39,7 @@ from omegaconf import MISSING, OmegaConf
 from headway.heads.files import write_json_atomic
 from headway.heads.target import TargetSpec
 from headway.heads.kernels.measurements import measurement_path
-from headway.heads.kernels.quiet import spread, watch
+from headway.heads.kernels.quiet import measure_until_quiet, watch
 from headway.heads.kernels import blocks as blocks_kernel
 from headway.heads.kernels import panel as panel_kernel
 from headway.heads.kernels.weight_layout import (PACK_BUCKETS, apply_layout, candidates, check_layout, choose_layout,
@@ -123,12 +123,8 @@ def calibrate_latency(target, sizes=DEFAULT_SIZES, context: int = 256, repeats: 
     through the engine's own path (paged cache + 4D mask). Best of `repeats` (least disturbed). A curve
     measured while other processes used the CPU (heads.kernels.quiet) is measured again, twice at most; if still
     disturbed it is returned but not cached (unless `force`), so a busy moment is never kept."""
-    for _ in range(3):
-        with watch() as seen:
-            samples = _measure_curve(target, sizes, context, repeats)
-        quality = seen.quality(max(spread(times) for times in samples.values()))
-        if not quality.noisy:
-            break
+    samples, quality = measure_until_quiet(lambda: _measure_curve(target, sizes, context, repeats),
+                                           lambda result: result.values(), watch)
     curve = {n: min(times) for n, times in samples.items()}
     if save and (force or not quality.noisy):
         _save_curve(target, curve, context, quality)

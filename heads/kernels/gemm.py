@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headway.heads.files import write_json_atomic
-from headway.heads.kernels.quiet import spread, watch
+from headway.heads.kernels.quiet import measure_until_quiet
 from headway.heads.target import cache_root
 
 BACKENDS = ("mkl", "onednn")
@@ -116,12 +116,7 @@ def _choose(force: bool) -> str:
     cached = None if force else _cached(path)
     if cached is not None:
         return cached
-    for _ in range(3):
-        with watch() as seen:
-            samples = measure()
-        quality = seen.quality(max(spread(s) for per in samples.values() for s in per))
-        if not quality.noisy:
-            break
+    samples, quality = measure_until_quiet(measure, lambda result: (s for per in result.values() for s in per))
     seconds = {name: sum(min(s) for s in per) for name, per in samples.items()}
     backend = "onednn" if seconds["mkl"] >= MIN_GAIN * seconds["onednn"] else "mkl"
     if force or not quality.noisy:

@@ -65,6 +65,19 @@ def watch():
         seen.other_cpu = max(0.0, (busy1 - busy0) - (own1 - own0)) / capacity
 
 
+def measure_until_quiet(measure, timings, watch_with=None, tries: int = 3):
+    """Run `measure()` until one run is not disturbed, `tries` times at most; -> (its result, its Quality).
+    `timings(result)` yields the repeated timings of each measured thing; `watch_with` (default: watch) is the
+    caller's watch, looked up by the caller so that it can be replaced in tests."""
+    for _ in range(tries):
+        with (watch_with or watch)() as seen:
+            result = measure()
+        quality = seen.quality(max(spread(t) for t in timings(result)))
+        if not quality.noisy:
+            break
+    return result, quality
+
+
 def spread(samples: list[float]) -> float:
     """(median - best) / best of one thing's repeated timings."""
     ordered = sorted(samples)

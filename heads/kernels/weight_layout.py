@@ -71,7 +71,7 @@ from headway.heads.kernels.attention import use_grouped_attention
 from headway.heads.kernels import panel as panel_kernel
 from headway.heads.kernels import tiles as tiles_kernel
 from headway.heads.kernels.measurements import measurement_path
-from headway.heads.kernels.quiet import spread, watch
+from headway.heads.kernels.quiet import measure_until_quiet, watch
 
 LAYOUTS = ("auto", "stock", "wide-column", "packed", "panel", "blocks", "tiles")
 MIN_GAIN = 1.03  # auto leaves the stock layout only for a score at least 3% better (timings are noisy)
@@ -184,12 +184,8 @@ def choose_layout(target, force: bool = False) -> str:
     cached = None if force else cached_choice(path, model)
     if cached is not None:
         return cached
-    for _ in range(3):
-        with watch() as seen:
-            samples = measure_layouts(model)
-        quality = seen.quality(max(spread(s) for per in samples.values() for s in per.values()))
-        if not quality.noisy:
-            break
+    samples, quality = measure_until_quiet(lambda: measure_layouts(model),
+                                           lambda result: (s for per in result.values() for s in per.values()), watch)
     times = {layout: {m: min(s) for m, s in per.items()} for layout, per in samples.items()}
     layout = pick(times)
     if force or not quality.noisy:

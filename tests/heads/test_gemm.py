@@ -86,7 +86,6 @@ def test_many_rows_routes_stock_linears_for_the_block_only():
     ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         reference = model(input_ids=ids, output_hidden_states=True).hidden_states
-        seen = []
         with gemm.many_rows(model):
             seen = [vars(m).get("forward") for m in model.modules() if isinstance(m, torch.nn.Linear)]
         features = compute_features(model, ids, None, [1, 2])

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 HEADLINE = re.compile(r": \d+(\.\d+)?x$")
@@ -110,7 +111,7 @@ def test_bench_layouts(script, capsys):
 
 
 def test_bench_gemm(script, capsys):
-    if not __import__("torch").backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     lines = run(script("bench_gemm"), ["--target", "tiny-random", "--rows", "4", "16", "--repeats", "1"], capsys)
     table = {line.split()[0]: line.split() for line in lines[1:-1]}
