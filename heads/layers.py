@@ -362,8 +362,10 @@ class TargetDistribution:
 
     def __init__(self, target_logits: Tensor):
         with torch.no_grad():
-            self.p = target_logits.float().log_softmax(-1).exp_().nan_to_num_(0.0)  # NaN rows (no support) -> 0
-            self.entropy = -torch.special.xlogy(self.p, self.p).sum(-1)  # [...]; 0 log 0 = 0
+            log_p = target_logits.float().log_softmax(-1)
+            self.p = log_p.exp().nan_to_num_(0.0)  # NaN rows (no support) -> 0
+            finite_log_p = log_p.nan_to_num_(0.0, neginf=torch.finfo(log_p.dtype).min)  # where p = 0: 0 x finite
+            self.entropy = -row_dot(self.p, finite_log_p)  # [...]; one pass, where xlogy(p, p) took several
 
     def kl(self, logits: Tensor) -> Tensor:
         """KL(p || q) per position, [..., V] -> [...] (fp32): the soft cross-entropy minus the target's entropy,
@@ -382,15 +384,21 @@ class SoftCrossEntropy(torch.autograd.Function):
         log_q.clamp_(min=torch.finfo(log_q.dtype).min)  # a -inf logit where p = 0 adds 0, not 0 * inf = NaN
         ctx.save_for_backward(log_q, p)
         ctx.logits_dtype = logits.dtype
-        flat_p, flat_q = p.reshape(-1, 1, p.shape[-1]), log_q.reshape(-1, p.shape[-1], 1)
-        with torch.autocast(logits.device.type, enabled=False):  # bf16 autocast would round the dot product
-            return -torch.bmm(flat_p, flat_q).reshape(p.shape[:-1])  # [...]: a batched dot, no [n, V] temporary
+        return -row_dot(p, log_q)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         log_q, p = ctx.saved_tensors
         grad_logits = log_q.exp().mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(grad.unsqueeze(-1))
         return grad_logits.to(ctx.logits_dtype), None
+
+
+def row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """sum(a * b, -1) for [..., V] -> [...] as a batched dot: no [n, V] temporary, and never in bf16 (autocast
+    would round the sum)."""
+    flat_a, flat_b = a.reshape(-1, 1, a.shape[-1]), b.reshape(-1, b.shape[-1], 1)
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.bmm(flat_a, flat_b).reshape(a.shape[:-1])
 
 
 def kl_to_target(logits: Tensor, target_logits: Tensor) -> Tensor:

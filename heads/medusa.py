@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from headway.heads.base import DraftHead, HeadError, TargetFeatures, register_head
 from headway.heads.layers import (chain_accuracy, head_loss, kl_to_target, labels_at_depth, last_valid, masked_mean,
                                   positive_int, resolve_options, scatter_rows)
+from headway.heads.sampling import argmax  # torch.argmax's first-max index, ~8x faster on bf16 rows
 
 DEFAULTS = dict(num_heads=4, num_layers=1, decay=0.8, loss="ce", train_vocab=None)
 CHOICES = dict(loss=("ce", "kl"))
@@ -96,7 +97,7 @@ class MedusaHead(DraftHead):
             head_k = masked_mean(per_pos, learnt)
             loss = loss + decay ** k * head_k
             per_head[f"loss_head{k}"] = head_k.detach()
-            preds.append(scatter_rows(scored, self.train_token_ids(logits.detach().argmax(-1))))
+            preds.append(scatter_rows(scored, self.train_token_ids(argmax(logits.detach()))))
         correct, count = chain_accuracy(preds, input_ids, loss_mask)
         return head_loss(loss, correct, count, **per_head)
 

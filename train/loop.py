@@ -306,7 +306,7 @@ def configure_deepspeed(accelerator: Accelerator, cfg: DictConfig) -> None:
     plugin = accelerator.state.deepspeed_plugin
     if accelerator.distributed_type == DistributedType.DEEPSPEED and cfg.optim.name != "adamw":
         raise ConfigError(f"optim.name={cfg.optim.name} needs whole weight matrices, which DeepSpeed shards: "
-                          f"use optim=adamw under DeepSpeed, or DDP (conf/accelerate/multi_gpu.yaml)")
+                          f"use optim.name=adamw under DeepSpeed, or DDP (conf/accelerate/multi_gpu.yaml)")
     if accelerator.distributed_type == DistributedType.DEEPSPEED and plugin is not None:
         if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
             plugin.deepspeed_config["gradient_clipping"] = float(cfg.optim.grad_clip)
