@@ -217,7 +217,7 @@ def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
     head.init_from_data(head.token_counts)
     data_cfg = with_hidden_cache(cfg.data, accelerator, target, [train_ds, val_ds], head.feature_layers())
     features = make_feature_source(data_cfg, target, head.feature_layers())
-    optimizers = make_optimizers(head, cfg.optim)
+    optimizers = make_optimizers(head, optimizer_config(cfg, accelerator))
     train_dl, val_dl = make_loaders(cfg, train_ds, val_ds, target.tokenizer.pad_token_id,
                                     accelerator.num_processes)
     configure_deepspeed(accelerator, cfg)
@@ -273,6 +273,18 @@ def make_optimizers(head: DraftHead, optim: DictConfig) -> list[torch.optim.Opti
     return optimizers
 
 
+def optimizer_config(cfg: DictConfig, accelerator: Accelerator) -> DictConfig:
+    """cfg.optim; under DeepSpeed AdamW replaces Muon (head=eagle3's default), whose weight matrices ZeRO shards
+    while Muon must orthogonalise each one whole."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and cfg.optim.name == "muon":
+        if accelerator.is_main_process:
+            log.warning("optim.name=muon: DeepSpeed shards the weight matrices Muon needs whole, so this run "
+                        "trains with AdamW (set optim.name=adamw to say so, or launch with DDP: "
+                        "conf/accelerate/multi_gpu.yaml)")
+        return OmegaConf.merge(cfg.optim, {"name": "adamw"})
+    return cfg.optim
+
+
 def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
     """The schedule's lr for this step, times each group's `lr_scale` (read-outs: optim.readout_lr_scale)."""
     for group in (g for opt in optimizers for g in opt.param_groups):
@@ -304,9 +316,6 @@ def configure_deepspeed(accelerator: Accelerator, cfg: DictConfig) -> None:
     """DeepSpeed clips gradients itself: give it optim.grad_clip where its config says "auto"; and the micro
     batch size, which it cannot read off a loader whose batches come from a batch sampler (length-grouped)."""
     plugin = accelerator.state.deepspeed_plugin
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and cfg.optim.name != "adamw":
-        raise ConfigError(f"optim.name={cfg.optim.name} needs whole weight matrices, which DeepSpeed shards: "
-                          f"use optim.name=adamw under DeepSpeed, or DDP (conf/accelerate/multi_gpu.yaml)")
     if accelerator.distributed_type == DistributedType.DEEPSPEED and plugin is not None:
         if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
             plugin.deepspeed_config["gradient_clipping"] = float(cfg.optim.grad_clip)

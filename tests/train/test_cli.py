@@ -51,7 +51,9 @@ def test_deepspeed_zero2_with_two_cpu_processes(tmp_path):
     run_dir = tmp_path / "run"
     done = accelerate_launch("--use_deepspeed", "--zero_stage", "2", "--num_processes", "2",
                              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                             "train/main.py", "head=mtp", *SHORT, "train.grad_accum=2",
+                             "train/main.py", "head=mtp", *SHORT, "train.grad_accum=2", "optim.name=muon",
                              f"hydra.run.dir={run_dir}")
     check_distributed_run(done, run_dir, "mtp")
     assert (run_dir / "checkpoints" / "step_0000002" / "pytorch_model").is_dir()  # DeepSpeed's layout
+    # Muon (head=eagle3's default) needs whole matrices, which ZeRO shards: the run says so and takes AdamW
+    assert "trains with AdamW" in done.stderr + done.stdout

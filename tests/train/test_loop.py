@@ -147,12 +147,13 @@ def test_readout_lr_scale_moves_only_the_read_out_at_its_own_rate():
         torch.manual_seed(0)
         head = build_head("eagle3", target)
         cfg = compose_train("head=eagle3", "experiment=smoke", f"optim.readout_lr_scale={scale}")
-        (opt,) = make_optimizers(head, cfg.optim)
-        set_lr([opt], cfg.optim.lr)  # what the loop does each step
+        optimizers = make_optimizers(head, cfg.optim)  # eagle3's default: Muon for its matrices + AdamW
+        set_lr(optimizers, cfg.optim.lr)  # what the loop does each step
         before = {n: p.detach().clone() for n, p in head.named_parameters()}
         for p in head.parameters():
             p.grad = torch.ones_like(p) if p.requires_grad else None
-        opt.step()
+        for opt in optimizers:
+            opt.step()
         moved[scale] = {n: (p.detach() - before[n]).abs().max().item() for n, p in head.named_parameters()}
     assert moved[0.1]["lm_head.weight"] == pytest.approx(0.1 * moved[1.0]["lm_head.weight"], rel=1e-3)
     others = [n for n in moved[1.0] if n != "lm_head.weight" and moved[1.0][n] > 0]
