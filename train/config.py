@@ -47,6 +47,9 @@ class OptimConfig:
     min_lr_ratio: float = MISSING  # cosine ends at lr * min_lr_ratio
     grad_clip: float = MISSING  # max global grad norm (0 disables clipping)
     readout_lr_scale: float = 1.0  # lr of trained read-outs (lm_head rows started from the target's) = lr x this
+    muon_lr_scale: float = 1.0  # optim.name=muon: the Muon matrices' lr = lr x this
+    muon_weight_decay: Optional[float] = None  # optim.name=muon: the Muon matrices' weight decay (None: weight_decay)
+    muon_ns_steps: int = 5  # optim.name=muon: Newton-Schulz iterations per step (fewer: cheaper, rougher)
 
 
 @dataclass
@@ -122,6 +125,9 @@ RULES = [
     ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("optim.grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     ("optim.readout_lr_scale", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    ("optim.muon_lr_scale", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    ("optim.muon_weight_decay", lambda v: v is None or (math.isfinite(v) and v >= 0), "null or a finite number >= 0"),
+    ("optim.muon_ns_steps", lambda v: v >= 1, "an integer >= 1"),
     ("train.max_steps", lambda v: v >= 1, ">= 1"),
     ("train.batch_size", lambda v: v >= 1, ">= 1"),
     ("train.grad_accum", lambda v: v >= 1, ">= 1"),

@@ -256,7 +256,8 @@ def make_optimizers(head: DraftHead, optim: DictConfig) -> list[torch.optim.Opti
     """AdamW; weight decay on matrices only (nanoGPT): norms and biases are not decayed. Trained read-outs
     (`lm_head` rows that start as the target's) learn at lr x `optim.readout_lr_scale`.
     `optim.name=muon`: Muon (orthogonalised momentum, torch.optim.Muon, its update scaled to AdamW's RMS so
-    the same lr and weight decay apply) for the hidden weight matrices, AdamW for read-outs, norms, biases."""
+    the same lr and weight decay apply) for the hidden weight matrices, AdamW for read-outs, norms, biases;
+    `optim.muon_lr_scale`, `optim.muon_weight_decay` and `optim.muon_ns_steps` tune the Muon group alone."""
     params = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
     readouts = [p for n, p in params if "lm_head" in n]
     rest = [p for n, p in params if "lm_head" not in n]
@@ -268,8 +269,10 @@ def make_optimizers(head: DraftHead, optim: DictConfig) -> list[torch.optim.Opti
     optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, betas=tuple(optim.betas),
                                     eps=optim.eps)]
     if optim.name == "muon" and hidden:
-        optimizers.insert(0, torch.optim.Muon(hidden, lr=optim.lr, weight_decay=optim.weight_decay,
-                                              adjust_lr_fn="match_rms_adamw"))
+        decay = optim.weight_decay if optim.muon_weight_decay is None else optim.muon_weight_decay
+        muon_group = {"params": hidden, "lr_scale": optim.muon_lr_scale}
+        optimizers.insert(0, torch.optim.Muon([muon_group], lr=optim.lr * optim.muon_lr_scale, weight_decay=decay,
+                                              ns_steps=optim.muon_ns_steps, adjust_lr_fn="match_rms_adamw"))
     return optimizers
 
 

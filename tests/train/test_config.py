@@ -96,6 +96,9 @@ def test_a_wrong_type_fails_at_compose_time():
     ("cpu_threads=many", "cpu_threads"),
     ("train.loss_on=prompts", "train.loss_on"),
     ("optim.readout_lr_scale=0", "optim.readout_lr_scale"),
+    ("optim.muon_lr_scale=0", "optim.muon_lr_scale"),
+    ("optim.muon_weight_decay=-0.1", "optim.muon_weight_decay"),
+    ("optim.muon_ns_steps=0", "optim.muon_ns_steps"),
 ])
 def test_a_bad_value_fails_with_one_line_naming_the_key(override, key):
     with pytest.raises(ConfigError) as err:

@@ -160,6 +160,24 @@ def test_readout_lr_scale_moves_only_the_read_out_at_its_own_rate():
     assert others and all(moved[0.1][n] == pytest.approx(moved[1.0][n]) for n in others)
 
 
+def test_muon_options_tune_the_muon_group_alone():
+    """optim.muon_lr_scale / muon_weight_decay / muon_ns_steps reach torch.optim.Muon's group (its lr follows
+    the schedule through set_lr), while the AdamW groups keep optim.lr and optim.weight_decay."""
+    from headway.heads.base import build_head
+    from headway.heads.target import load_target
+    from headway.train.loop import make_optimizers, set_lr
+
+    head = build_head("eagle3", load_target({"path": "tiny-random", "name": "tiny-random"}))
+    cfg = compose_train("head=eagle3", "experiment=smoke", "optim.muon_lr_scale=2.0",
+                        "optim.muon_weight_decay=0.1", "optim.muon_ns_steps=3")
+    muon, adamw = make_optimizers(head, cfg.optim)
+    set_lr([muon, adamw], 1e-3)
+    (group,) = muon.param_groups
+    assert (group["lr"], group["weight_decay"], group["ns_steps"]) == (pytest.approx(2e-3), 0.1, 3)
+    assert all(g["lr"] == pytest.approx(1e-3 * g.get("lr_scale", 1.0)) for g in adamw.param_groups)
+    assert {g["weight_decay"] for g in adamw.param_groups} == {cfg.optim.weight_decay, 0.0}
+
+
 def test_resume_finds_checkpoints_and_rejects_bad_paths(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / ".tmp_step_0000009").mkdir(parents=True)  # a save killed half-way
