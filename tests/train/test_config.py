@@ -40,6 +40,18 @@ def test_every_experiment_composes_with_every_head(experiment, head):
     assert cfg.head.kind == head
 
 
+@pytest.mark.parametrize("head", HEADS)
+def test_gpu_8b_trains_each_head_with_its_cpu_recipe_optimizer(head):
+    """The per-head optimizer choices measured on CPU (conf/optim/head/<head>.yaml: EAGLE-3's Muon at twice
+    the lr on its matrices) carry into experiment=gpu_8b unchanged."""
+    keys = ("name", "lr", "weight_decay", "muon_lr_scale", "muon_weight_decay", "muon_ns_steps")
+    cpu = compose_train(f"head={head}", run_dir="/tmp/unused").optim
+    gpu = compose_train(f"head={head}", "experiment=gpu_8b", run_dir="/tmp/unused").optim
+    assert {k: gpu[k] for k in keys} == {k: cpu[k] for k in keys}
+    if head == "eagle3":
+        assert (gpu.name, gpu.muon_lr_scale) == ("muon", 2.0)
+
+
 def test_smoke_uses_the_tiny_target_and_data():
     cfg = compose_train("head=eagle", "experiment=smoke")
     assert cfg.target.path == "tiny-random" and cfg.data.name == "tiny"
