@@ -270,8 +270,8 @@ def make_optimizers(head: DraftHead, optim: DictConfig) -> list[torch.optim.Opti
                                     eps=optim.eps)]
     if optim.name == "muon" and hidden:
         decay = optim.weight_decay if optim.muon_weight_decay is None else optim.muon_weight_decay
-        muon_group = {"params": hidden, "lr_scale": optim.muon_lr_scale}
-        optimizers.insert(0, torch.optim.Muon([muon_group], lr=optim.lr * optim.muon_lr_scale, weight_decay=decay,
+        muon_group = {"params": hidden, "lr_scale": optim.muon_lr_scale}  # set_lr applies the scale each step
+        optimizers.insert(0, torch.optim.Muon([muon_group], lr=optim.lr, weight_decay=decay,
                                               ns_steps=optim.muon_ns_steps, adjust_lr_fn="match_rms_adamw"))
     return optimizers
 
