@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from headway.heads.base import DraftHead, HeadError
 from headway.heads.target import Target
@@ -69,6 +69,10 @@ class Sampling:
 
 class Drafter:
     def feature_layers(self) -> list[int]:
+        return []
+
+    def networks(self) -> list[nn.Module]:
+        """The modules it runs while drafting (the engine puts their Linears in a fast CPU layout)."""
         return []
 
     def plan(self, budget, batch_size: int, target_params: int) -> int:
@@ -499,6 +503,10 @@ class TreeDrafter(Drafter):
 
     def feature_layers(self) -> list[int]:
         return self.proposer.feature_layers()
+
+    def networks(self) -> list[nn.Module]:
+        network = getattr(self.proposer, "head", getattr(self.proposer, "model", None))
+        return [network] if isinstance(network, nn.Module) else []
 
     def plan(self, budget, batch_size: int, target_params: int) -> int:
         self.policy.plan(self.proposer, budget, batch_size, target_params)

@@ -58,7 +58,7 @@ from headway.heads.sampling import is_greedy, sample, warp_probs
 from headway.infer.tree import ancestor_mask, attention_mask, causal_ancestors, depths
 from headway.infer.verify import verify_tree
 from headway.infer.payoff import DraftingGuard
-from headway.heads.kernels.weight_layout import apply_layout, current_layout
+from headway.heads.kernels.weight_layout import SMALL_M_KERNELS, apply_layout, candidates, current_layout
 
 COST_WARMUP_STEPS = 4  # speculative steps of a call left out of its draft-cost measurement (one-off costs)
 MIN_COST_STEPS = 8  # steps measured before a call reports what a draft level cost
@@ -180,6 +180,7 @@ class Engine:
             self.weight_layout = apply_layout(self.model, weight_layout, target)  # before T(N) is measured
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
+        self._route_drafter(drafter)
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.num_layers = self.model.config.num_hidden_layers
@@ -197,8 +198,19 @@ class Engine:
         self._check(prompts, max_new_tokens, temperature, top_k, top_p)
         if current_layout(self.model) != self.weight_layout:  # another user of the model changed it
             apply_layout(self.model, self.weight_layout)
+        self._route_drafter(drafter)
         run = _Run(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_on_eos, drafter)
         return run.generate()
+
+    def _route_drafter(self, drafter) -> None:
+        """Under a CPU kernel layout, the draft head's (or draft model's) fp32 Linears run through the panel
+        kernel too: a draft level multiplies 1-3 rows by a few MB of weights, where MKL's matrix-vector
+        product on AMD CPUs is several times slower (docs/inference.md). Values unchanged, as for the target."""
+        if drafter is None or self.weight_layout not in SMALL_M_KERNELS:
+            return
+        for network in drafter.networks():
+            if current_layout(network) != "panel" and "panel" in candidates(network):
+                apply_layout(network, "panel")
 
     def _check(self, prompts, max_new_tokens, temperature, top_k, top_p) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):

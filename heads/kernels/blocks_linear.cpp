@@ -1,8 +1,9 @@
 // y[M, N] = x[M, K] @ W^T for a few rows M, fp32 arithmetic, AVX-512, with W read from its block-quantized
 // encoding (the "blocks" weight layout, heads/kernels/blocks.py): W[n][k] = d[n][k/32] * q[n][k] + m[n][k/32], the
 // values a GGUF Q4_1 / Q8_0 tensor dequantizes to (m = 0 for Q8_0), rebuilt in registers exactly as the
-// dequantizer computes them: d * q is exact in fp32 (an f16 scale times a code of at most 8 bits), then one
-// rounded sum (built with -ffp-contract=off all the same, so no compiler fuses the two differently).
+// dequantizer computes them: d * q is exact in fp32 (an f16 scale times a code of at most 8 bits), so the one
+// rounding of fma(d, q, m) is the dequantizer's one rounding of d * q + m (one instruction instead of two; built
+// with -ffp-contract=off all the same, so the compiler fuses nothing else).
 //
 // The codes are stored as panels like the panel layout's weights: q[P][K][48] int8 with q[p][k][j] =
 // q(48p + j, k) (zero past N), and the scales/offsets as s[P][K/32][48] fp32. One panel streams 48 bytes per
@@ -35,9 +36,8 @@ inline void panel_pass(const float* x, int64_t K, const int8_t* q, const float* 
     for (int64_t k = k0; k < k0 + BLOCK; ++k) {
       const int8_t* qk = q + k * COLS;
       _mm_prefetch(reinterpret_cast<const char*>(qk + PREFETCH), _MM_HINT_T0);
-      multiply_add<ROWS>(acc, x, K, k, _mm512_add_ps(_mm512_mul_ps(d0, codes(qk)), m0),
-                         _mm512_add_ps(_mm512_mul_ps(d1, codes(qk + 16)), m1),
-                         _mm512_add_ps(_mm512_mul_ps(d2, codes(qk + 32)), m2));
+      multiply_add<ROWS>(acc, x, K, k, _mm512_fmadd_ps(d0, codes(qk), m0), _mm512_fmadd_ps(d1, codes(qk + 16), m1),
+                         _mm512_fmadd_ps(d2, codes(qk + 32), m2));
     }
   }
   store<ROWS>(acc, y, N, valid);

@@ -22,8 +22,6 @@ another CPU measures again.
 
 from __future__ import annotations
 
-import json
-import platform
 import time
 from contextlib import contextmanager
 from functools import lru_cache
@@ -33,13 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headway.heads.files import write_json_atomic
-from headway.heads.kernels.quiet import measure_until_quiet
+from headway.heads.kernels.machine_choice import measured_choice
 from headway.heads.target import cache_root
 
 BACKENDS = ("mkl", "onednn")
 MIN_GAIN = 1.1  # oneDNN only where it is clearly faster: the stock path is what every PyTorch user runs
-VERSION = 1
+VERSION = 2  # records name the choice "choice" (version 1: "backend")
 SHAPES = ((128, 576, 1536), (128, 1536, 576), (128, 576, 8192), (512, 1024, 1024))  # rows, in, out
 REPEATS = 5
 
@@ -81,17 +78,6 @@ def many_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def choice_path() -> Path:
     return cache_root() / "calibration" / f"gemm-cpu{torch.get_num_threads()}.json"
 
@@ -112,28 +98,9 @@ def choose_backend(force: bool = False) -> str:
 def _choose(force: bool) -> str:
     if not onednn_available():
         return "mkl"
-    path = choice_path()
-    cached = None if force else _cached(path)
-    if cached is not None:
-        return cached
-    samples, quality = measure_until_quiet(measure, lambda result: (s for per in result.values() for s in per))
-    seconds = {name: sum(min(s) for s in per) for name, per in samples.items()}
-    backend = "onednn" if seconds["mkl"] >= MIN_GAIN * seconds["onednn"] else "mkl"
-    if force or not quality.noisy:
-        write_json_atomic(path, {"version": VERSION, "cpu": cpu_name(), "backend": backend, "seconds": seconds,
-                                 "shapes": [list(s) for s in SHAPES], "quality": quality.as_dict()})
-    return backend
-
-
-def _cached(path: Path) -> str | None:
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # missing or damaged: measure
-    if not isinstance(record, dict) or record.get("version") != VERSION or record.get("cpu") != cpu_name():
-        return None
-    backend = record.get("backend")
-    return backend if backend in BACKENDS else None
+    return measured_choice(choice_path(), VERSION, BACKENDS, measure,
+                           lambda seconds: "onednn" if seconds["mkl"] >= MIN_GAIN * seconds["onednn"] else "mkl",
+                           force, describe={"shapes": [list(s) for s in SHAPES]})
 
 
 @torch.inference_mode()

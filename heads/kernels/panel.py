@@ -1,8 +1,10 @@
 """The "panel" weight layout: every Linear multiplies a few rows (2 <= M <= 32) through a small AVX-512
 kernel (panel_linear.cpp) that reads the weights once whatever M is, so verifying a tree of 8 tokens costs
-little more than a decode step. One row (the decode step: MKL's matrix-vector product was ~7% faster
-inside the model) and autograd take the stock F.linear on the stock weight, larger M (prefill) this machine's faster
-many-row GEMM (heads/kernels/gemm.py).
+little more than a decode step. One row (the decode step) takes whichever of MKL's matrix-vector product
+(F.linear) and this kernel is faster on this machine, measured once and cached (`one_row_path`): on the
+Intel CPUs measured MKL was ~7% faster inside the model, on AMD CPUs, where MKL leaves AVX-512 unused, the
+kernel is ~3x faster. Autograd takes the stock F.linear on the stock weight, larger M (prefill) this
+machine's faster many-row GEMM (heads/kernels/gemm.py).
 
 Each Linear keeps its stock weight and gains a copy laid out as panels [P, in, 48] (48 output features
 per panel, zero-padded), i.e. the layout doubles the Linear weights in memory. The kernel is compiled
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,12 +27,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from headway.heads.kernels.gemm import many_rows_linear
+from headway.heads.kernels.machine_choice import measured_choice
+from headway.heads.target import cache_root
 
 
 SOURCE = Path(__file__).with_name("panel_linear.cpp")
 SHARED_HEADER = Path(__file__).with_name("panel_rows.h")  # what this kernel and the blocks kernel share
 COLS = 48  # output features per panel (3 AVX-512 vectors)
-MIN_ROWS, MAX_ROWS = 2, 32  # one row: MKL's GEMV; above 32 the stock GEMM wins (compute-bound prefill)
+MIN_ROWS, MAX_ROWS = 2, 32  # one row: see one_row_path; above 32 the stock GEMM wins (compute-bound prefill)
+ONE_ROW_PATHS = ("mkl", "kernel")
+ONE_ROW_VERSION = 1
+ONE_ROW_GAIN = 1.1  # the kernel takes one row only where it is clearly faster than MKL's GEMV
+# a decoder layer of a small model (SmolLM2-135M: q/o, k/v, gate/up, down; ~15 MB, in the last-level cache
+# like a draft head's weights) and a wider one: out, in
+ONE_ROW_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (2048, 2048), (5632, 2048))
 
 
 def unavailable_reason() -> str | None:
@@ -96,7 +107,8 @@ def panel_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // linear.in_features
     if rows > MAX_ROWS:
         return many_rows_linear(x, linear.weight, linear.bias)  # a prefill or a decoding batch
-    if rows < MIN_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+    if ((rows < MIN_ROWS and one_row_path() == "mkl") or torch.is_grad_enabled() or x.dtype != torch.float32
+            or x.device.type != "cpu"):
         return F.linear(x, linear.weight, linear.bias)
     flat = x.reshape(rows, linear.in_features).contiguous()  # [M, in]
     out = kernel().panel_linear(flat, panels_of(linear), linear.out_features)  # [M, out]
@@ -127,7 +139,70 @@ class PanelForward:
 
 def use_panels(linear: nn.Linear) -> None:
     panels_of(linear)  # made now, not in the first timed step
+    one_row_path()  # chosen now too (measured once per machine)
     linear.forward = PanelForward(linear)
+
+
+# ------------------------------------------------------------------------------ one row: MKL or the kernel
+
+_forced: list[str] = []  # forced_one_row_path's stack
+
+
+@contextmanager
+def forced_one_row_path(path: str):
+    """One-row Linears inside the block go through `path` ("mkl" or "kernel"), whatever was measured."""
+    if path not in ONE_ROW_PATHS:
+        raise ValueError(f"one-row path must be one of {', '.join(ONE_ROW_PATHS)}, got {path!r}")
+    _forced.append(path)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def one_row_path(force: bool = False) -> str:
+    """"kernel" where the panel kernel multiplies one row clearly faster than MKL's GEMV on this machine,
+    else "mkl": read from $HEADWAY_CACHE/calibration/gemv-cpu<threads>.json, else measured (~1 s)."""
+    if _forced:
+        return _forced[-1]
+    if force:
+        _one_row_path.cache_clear()
+        return _choose_one_row(force=True)
+    return _one_row_path(torch.get_num_threads())
+
+
+@lru_cache(maxsize=None)
+def _one_row_path(threads: int) -> str:
+    return _choose_one_row(force=False)
+
+
+def _choose_one_row(force: bool) -> str:
+    path = cache_root() / "calibration" / f"gemv-cpu{torch.get_num_threads()}.json"
+    return measured_choice(path, ONE_ROW_VERSION, ONE_ROW_PATHS, measure_one_row,
+                           lambda s: "kernel" if s["mkl"] >= ONE_ROW_GAIN * s["kernel"] else "mkl",
+                           force, describe={"shapes": [list(s) for s in ONE_ROW_SHAPES]})
+
+
+@torch.inference_mode()
+def measure_one_row(shapes=ONE_ROW_SHAPES, repeats: int = 5, calls: int = 20) -> dict[str, list[list[float]]]:
+    """Seconds for `calls` one-row products of each shape, both paths, `repeats` times, interleaved (the
+    first round warms up)."""
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for out, inp in shapes:
+        weight = torch.randn(out, inp, generator=gen)
+        cases.append((torch.randn(1, inp, generator=gen), weight, to_panels(weight)))
+    run = {"mkl": lambda x, w, p: F.linear(x, w), "kernel": lambda x, w, p: kernel().panel_linear(x, p, w.shape[0])}
+    times = {name: [[] for _ in shapes] for name in run}
+    for round_ in range(repeats + 1):
+        for name, fn in run.items():
+            for i, case in enumerate(cases):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn(*case)
+                if round_:
+                    times[name][i].append(time.perf_counter() - start)
+    return times
 
 
 def uses_panels(linear: nn.Linear) -> bool:

@@ -29,8 +29,8 @@ The layouts (same values, same modules, same transformers code; only how F.linea
                each bucket used costs one more copy of the weights in memory and ~0.1-1 s to pack
   panel        every Linear runs 2..32 rows through a small AVX-512 kernel over a copy of its weight
                laid out as 48-column panels, streamed once per call whatever the row count, and one
-               row through the stock GEMV (heads/kernels/panel.py; compiled on first use, one more copy of the
-               weights in memory)
+               row through the kernel or the stock GEMV, whichever this machine runs faster (measured once)
+               (heads/kernels/panel.py; compiled on first use, one more copy of the weights in memory)
   blocks       a target loaded from a block-quantized GGUF file: every Linear whose fp32 weight is exactly
                one of the file's Q4_1/Q8_0 tensors runs 1..32 rows through a kernel that reads the codes
                (1.25 bytes per weight) and rebuilds the same fp32 values in registers (heads/kernels/blocks.py);

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from headway.heads.kernels import gemm
+from headway.heads.kernels.machine_choice import cpu_name
 
 NEEDS_ONEDNN = pytest.mark.skipif(not gemm.onednn_available(), reason="torch built without oneDNN")
 
@@ -56,10 +57,10 @@ def test_choice_is_cached_and_remeasured_on_another_cpu(cache, monkeypatch):
     if record is None:  # the machine was busy: used, not cached; force caches it
         gemm.choose_backend(force=True)
         record = json.loads(gemm.choice_path().read_text())
-    assert record["cpu"] == gemm.cpu_name() and record["backend"] in gemm.BACKENDS and "quality" in record
+    assert record["cpu"] == cpu_name() and record["choice"] in gemm.BACKENDS and "quality" in record
     calls.clear()
     gemm._chosen.cache_clear()
-    assert gemm.choose_backend() == record["backend"] and not calls  # read back, not measured
+    assert gemm.choose_backend() == record["choice"] and not calls  # read back, not measured
     record["cpu"] = "another CPU"
     gemm.choice_path().write_text(json.dumps(record))
     gemm._chosen.cache_clear()

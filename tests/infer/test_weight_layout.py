@@ -263,8 +263,8 @@ def test_a_packed_model_can_be_deep_copied_and_pickled(target):
 @pytest.mark.parametrize("shape", [(48, 80), (37, 200), (64, 48)])
 def test_panel_linear_equals_the_stock_one_for_any_row_count_and_shape(rows, shape):
     """Any in/out size (a last panel only partly used, an input width that is no multiple of 16), 2 to 32
-    rows through the kernel (8 rows per pass, then the rest), 1 or more than 32 through F.linear; the bias
-    is added."""
+    rows through the kernel (8 rows per pass, then the rest), 1 through the kernel or F.linear (as measured
+    here), more than 32 through the many-row GEMM; the bias is added."""
     torch.manual_seed(rows)
     linear = torch.nn.Linear(*shape, bias=rows % 2 == 1)
     x = torch.randn(rows, shape[0])
@@ -315,3 +315,70 @@ def test_panel_layout_where_it_cannot_run_is_one_clear_error(target, monkeypatch
     assert "panel" not in weight_layout.candidates(target.model)
     with pytest.raises(ValueError, match="weight_layout=panel needs .*AVX-512"):
         apply_layout(target.model, "panel")
+
+
+@NEEDS_PANEL
+@pytest.mark.parametrize("path", ["kernel", "mkl"])
+def test_one_row_goes_where_the_machine_choice_says(path, monkeypatch):
+    """One row through the panel kernel or MKL's GEMV, as chosen: the same product either way."""
+    linear = torch.nn.Linear(200, 100)
+    x = torch.randn(1, 200)
+    reference = linear(x)
+    panel.use_panels(linear)
+    calls = []
+    real = panel.kernel()
+
+    class Counting:
+        def panel_linear(self, *args):
+            calls.append(1)
+            return real.panel_linear(*args)
+
+    monkeypatch.setattr(panel, "kernel", lambda: Counting())
+    with torch.inference_mode(), panel.forced_one_row_path(path):
+        torch.testing.assert_close(linear(x), reference, rtol=1e-5, atol=1e-5)
+    assert bool(calls) == (path == "kernel")
+    with pytest.raises(ValueError, match="must be one of mkl, kernel"):
+        with panel.forced_one_row_path("gemv"):
+            pass
+
+
+@NEEDS_PANEL
+def test_one_row_choice_follows_the_measured_times_and_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path))
+    monkeypatch.setattr(panel, "_forced", [])
+    record = tmp_path / "calibration" / f"gemv-cpu{torch.get_num_threads()}.json"
+    measured = []
+    for times, expected in [({"mkl": [[3.0] * 3], "kernel": [[1.0] * 3]}, "kernel"),
+                            ({"mkl": [[1.05] * 3], "kernel": [[1.0] * 3]}, "mkl")]:  # within the gain: MKL stays
+        monkeypatch.setattr(panel, "measure_one_row", lambda times=times: measured.append(1) or times)
+        assert panel.one_row_path(force=True) == expected
+        assert json.loads(record.read_text())["choice"] == expected
+    measured.clear()
+    panel._one_row_path.cache_clear()
+    assert panel.one_row_path() == "mkl" and not measured  # read back, not measured again
+    panel._one_row_path.cache_clear()
+
+
+@NEEDS_PANEL
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_draft_head_runs_through_panels_under_a_cpu_kernel_layout(kind):
+    """Under panel (or blocks, tiles) the engine routes the head's own Linears through the panel kernel too;
+    greedy output still equals plain decoding. Under stock the head is left as it is."""
+    from headway.heads.base import build_head
+    from headway.infer.calibrate import TreeBudget
+    from headway.infer.drafters import build_drafter
+
+    target = load_target({"path": "tiny-random", "name": "tiny-random"})
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 4)]
+    plain = Engine(target, weight_layout="panel").generate(prompts, max_new_tokens=16, stop_on_eos=False).tokens
+    for layout in ("stock", "panel"):
+        torch.manual_seed(0)
+        head = build_head(kind, target)
+        drafter = build_drafter("head", target, head=head, policy="dynamic", total_tokens=6, depth=3, top_k=2)
+        engine = Engine(target, drafter, block_size=4, budget=TreeBudget(), weight_layout=layout)
+        with panel.forced_one_row_path("kernel"):
+            out = engine.generate(prompts, max_new_tokens=16, stop_on_eos=False)
+        linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(panel.uses_panels(m) == (layout == "panel") for m in linears), layout
+        if layout == "panel":
+            assert out.tokens == plain
