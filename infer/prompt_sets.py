@@ -54,7 +54,7 @@ def _read_jsonl(path: Path) -> list[dict]:
     """Lines of {"prompt", "category"?, "id"?}: category defaults to "general", id to <file stem>-<line>."""
     check_text_file(path, PromptSetError)  # not UTF-8 (file:line), or empty
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:

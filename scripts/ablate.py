@@ -96,7 +96,7 @@ def evaluate(args, run: Path, prompts: str, count: int) -> dict:
 
 
 def last_validation(run: Path) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().split("\n") if line.strip()]
     val = [r for r in rows if r.get("split") == "val"]
     return val[-1] if val else {}
 

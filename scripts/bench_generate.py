@@ -43,7 +43,7 @@ def same_responses(a: Path, b: Path) -> int:
     import json
 
     def responses(path):
-        return {r["id"]: r["response"] for r in map(json.loads, path.read_text().splitlines())}
+        return {r["id"]: r["response"] for r in map(json.loads, filter(str.strip, path.read_text().split("\n")))}
 
     mine, theirs = responses(a), responses(b)
     return sum(mine[k] == theirs.get(k) for k in mine)

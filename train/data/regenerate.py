@@ -74,7 +74,7 @@ def done_ids(path: Path) -> set[str]:
     """Ids already written; a torn last line (killed mid-write) is ignored and rewritten."""
     ids = set()
     if path.is_file():
-        for line in path.read_text().splitlines():
+        for line in path.read_text().split("\n"):
             try:
                 ids.add(json.loads(line)["id"])
             except (json.JSONDecodeError, KeyError, TypeError):
