@@ -180,7 +180,6 @@ class Engine:
             self.weight_layout = apply_layout(self.model, weight_layout, target)  # before T(N) is measured
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
-        self._route_drafter(drafter)
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.num_layers = self.model.config.num_hidden_layers

@@ -22,7 +22,6 @@ another CPU measures again.
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headway.heads.kernels.machine_choice import measured_choice
+from headway.heads.kernels.machine_choice import interleaved_times, measured_choice
 from headway.heads.target import cache_root
 
 BACKENDS = ("mkl", "onednn")
@@ -110,15 +109,7 @@ def measure(shapes=SHAPES, repeats: int = REPEATS) -> dict[str, list[list[float]
     gen = torch.Generator().manual_seed(0)
     cases = [(torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)) for m, k, n in shapes]
     run = {"mkl": lambda x, w: F.linear(x, w), "onednn": lambda x, w: onednn_linear(x, w, None)}
-    times = {name: [[] for _ in shapes] for name in run}
-    for round_ in range(repeats + 1):
-        for name, fn in run.items():
-            for i, (x, w) in enumerate(cases):
-                start = time.perf_counter()
-                fn(x, w)
-                if round_:
-                    times[name][i].append(time.perf_counter() - start)
-    return times
+    return interleaved_times(run, cases, repeats)
 
 
 class ManyRowsForward:

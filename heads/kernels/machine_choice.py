@@ -7,12 +7,14 @@ not on the model. Each such choice is timed once per machine and thread count, w
 name; a record from another CPU, another version of the choice or a damaged file is measured again.
 
     choice = measured_choice(path, version, options, measure, pick, force=False, describe={...})
+    times = interleaved_times({"a": fn_a, "b": fn_b}, cases, repeats)   # what a `measure` returns
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -57,3 +59,18 @@ def _cached(path: Path, version: int, options: tuple[str, ...]) -> str | None:
         return None
     choice = record.get("choice")
     return choice if choice in options else None
+
+
+def interleaved_times(run: dict[str, Callable], cases: list[tuple], repeats: int, calls: int = 1) -> dict[str, list[list[float]]]:
+    """{option: [[seconds for `calls` calls of run[option](*case), per repeat] per case]}: options and cases
+    interleaved so that noise hits them alike; the first round warms up and is not kept."""
+    times = {name: [[] for _ in cases] for name in run}
+    for round_ in range(repeats + 1):
+        for name, fn in run.items():
+            for i, case in enumerate(cases):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn(*case)
+                if round_:
+                    times[name][i].append(time.perf_counter() - start)
+    return times

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headway.heads.kernels.gemm import many_rows_linear
-from headway.heads.kernels.machine_choice import measured_choice
+from headway.heads.kernels.machine_choice import interleaved_times, measured_choice
 from headway.heads.target import cache_root
 
 
@@ -193,16 +193,7 @@ def measure_one_row(shapes=ONE_ROW_SHAPES, repeats: int = 5, calls: int = 20) ->
         weight = torch.randn(out, inp, generator=gen)
         cases.append((torch.randn(1, inp, generator=gen), weight, to_panels(weight)))
     run = {"mkl": lambda x, w, p: F.linear(x, w), "kernel": lambda x, w, p: kernel().panel_linear(x, p, w.shape[0])}
-    times = {name: [[] for _ in shapes] for name in run}
-    for round_ in range(repeats + 1):
-        for name, fn in run.items():
-            for i, case in enumerate(cases):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn(*case)
-                if round_:
-                    times[name][i].append(time.perf_counter() - start)
-    return times
+    return interleaved_times(run, cases, repeats, calls)
 
 
 def uses_panels(linear: nn.Linear) -> bool:
