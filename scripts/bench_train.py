@@ -19,16 +19,25 @@ per token can be checked to grow no worse than linearly with the sequence length
     python scripts/bench_train.py --prompt-share 0.26                # a quarter of each row is prompt (not learnt)
     python scripts/bench_train.py --quick                           # tiny random target (smoke test)
     python scripts/bench_train.py --precision                       # the defaults' step: fp32 vs bf16 autocast
+    python scripts/bench_train.py --allocator --prompt-share 0.26   # the defaults' step: freed memory kept vs returned
 
 With --precision, each head's default step (training vocabulary) runs in fp32 and under bf16 autocast
 (precision=bf16, what precision=auto picks on a GPU and on a CPU with AMX), interleaved; the last line is
 EAGLE's bf16 / fp32 tokens/s.
+
+With --allocator, each head's default step (in the precision the default job picks here) runs in child
+processes with glibc's malloc as it comes ("returned": large blocks are mmapped and unmapped on free) and with
+heads.kernels.allocator.keep_freed_memory ("kept", what the training job sets), the two alternating three
+times; the table adds page faults per step, and the last line is EAGLE's kept / returned tokens/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +49,7 @@ from omegaconf import OmegaConf
 
 from headway.heads.base import build_head, compute_features
 
+ALLOCATOR_MODES = ("returned", "kept")
 LINEAR_SLACK = 1.5  # per-token cost may grow this much from the shortest to the longest length
 
 
@@ -58,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-share", type=float, default=0.0,
                    help="share of each sequence that is prompt, not learnt (the default dataset: 0.26)")
     p.add_argument("--precision", action="store_true", help="the default head step: fp32 vs bf16 autocast")
+    p.add_argument("--allocator", action="store_true", help="the default head step: freed memory kept vs returned")
+    p.add_argument("--allocator-child", choices=ALLOCATOR_MODES, help=argparse.SUPPRESS)  # one timed side
     p.add_argument("--quick", action="store_true", help="tiny random target, lengths 32 and 64 (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -186,11 +198,19 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not 0 <= args.prompt_share < 1:
         sys.exit(f"error: --prompt-share must be in [0, 1) (the prompt's share of each row), got {args.prompt_share}")
+    if args.allocator:
+        return allocator(args, argv)
     torch.manual_seed(0)
+    if args.allocator_child == "kept":
+        from headway.heads.kernels.allocator import keep_freed_memory
+
+        keep_freed_memory()
     target = bc.load_bench_target(args.target, args.device, args.dtype)
     dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
     print(f"machine: {bc.machine()}; target {target.spec.name} {dtype} on {args.device}")
-    if args.scaling:
+    if args.allocator_child:
+        allocator_child(target, args)
+    elif args.scaling:
         scaling(target, args)
     elif args.precision:
         precision(target, args)
@@ -244,6 +264,15 @@ def headline_kind(speedup: dict[str, float]) -> str:
     return "eagle" if "eagle" in speedup else next(iter(speedup))
 
 
+def report_speedups(rows: list[dict], note: str, speedup: dict[str, float], new: str, old: str) -> None:
+    """The table, each head's `new` / `old` tokens/s, and the headline (EAGLE's, or the first head's)."""
+    bc.print_table(rows, note)
+    for kind, ratio in speedup.items():
+        print(f"{kind}: {new} {ratio:.2f}x the tokens/s of {old}")
+    kind = headline_kind(speedup)
+    bc.headline(speedup[kind], f"{kind} head step, {new} vs {old} (tokens/s)")
+
+
 def precision(target, args) -> None:
     """Head step tokens/s of the defaults in fp32 and under bf16 autocast, interleaved."""
     print(f"head step only (forward + backward + AdamW), defaults, batch {args.vocab_batch} x {args.vocab_length} "
@@ -263,11 +292,54 @@ def precision(target, args) -> None:
                  for name, t in best.items()]
         speedup[kind] = best["fp32"] / best["bf16 autocast"]
         del head
-    bc.print_table(rows, "\n(best of 3 interleaved repeats)")
-    for kind, ratio in speedup.items():
-        print(f"{kind}: bf16 autocast {ratio:.2f}x the tokens/s of fp32")
-    kind = headline_kind(speedup)
-    bc.headline(speedup[kind], f"{kind} head step, bf16 autocast vs fp32 (tokens/s)")
+    report_speedups(rows, "\n(best of 3 interleaved repeats)", speedup, "bf16 autocast", "fp32")
+
+
+def allocator(args, argv) -> None:
+    """Head step tokens/s of the defaults with glibc's malloc as it comes and with freed memory kept: each in
+    its own process (the switch is process-wide), alternating so that machine noise hits both alike."""
+    print(f"machine: {bc.machine()}; head step only (forward + backward + AdamW), defaults, batch "
+          f"{args.vocab_batch} x {args.vocab_length} tokens, {args.steps} timed steps per point, in child "
+          f"processes, freed memory returned (glibc as it comes) and kept (the training job) alternating")
+    child_argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--allocator"]
+    runs = {mode: [] for mode in ALLOCATOR_MODES}
+    for _ in range(3):
+        for mode in ALLOCATOR_MODES:
+            out = subprocess.run([sys.executable, __file__, *child_argv, "--allocator-child", mode],
+                                 capture_output=True, text=True, check=True).stdout
+            runs[mode].append(json.loads(out.strip().splitlines()[-1]))
+    tokens = args.vocab_batch * args.vocab_length
+    rows, speedup = [], {}
+    for kind in args.heads:
+        best = {mode: min(run[kind]["seconds"] for run in runs[mode]) for mode in ALLOCATOR_MODES}
+        for mode in ALLOCATOR_MODES:
+            faults = sum(run[kind]["faults"] for run in runs[mode]) / len(runs[mode])
+            rows.append({"head": kind, "freed memory": mode, "head ms/step": 1e3 * best[mode],
+                         "train tok/s": tokens / best[mode], "page faults/step": faults})
+        speedup[kind] = best["returned"] / best["kept"]
+    report_speedups(rows, "\n(best of 3 alternating processes; page faults: their mean)", speedup,
+                    "freed memory kept", "returned")
+
+
+def allocator_child(target, args) -> None:
+    """One side of --allocator: print {head: {seconds, faults}} per step of each default head as JSON."""
+    from headway.train.loop import cpu_multiplies_bf16
+
+    autocast = torch.bfloat16 if args.device != "cpu" or cpu_multiplies_bf16() else None  # as precision=auto
+    batch = make_batch(target, args.vocab_length, args.vocab_batch, args.device, args.prompt_share)
+    result = {}
+    for kind in args.heads:
+        torch.manual_seed(0)
+        head = build_head(kind, target, **head_options(kind)).to(args.device).train()
+        head.init_from_data(torch.arange(target.config.vocab_size, 0, -1))
+        feats = compute_features(target.model, batch["input_ids"], batch["attention_mask"], head.feature_layers())
+        time_head(head, batch, feats, args, autocast)  # warm-up: the allocator's heap reaches its size
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        seconds = time_head(head, batch, feats, args, autocast)[0]
+        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (args.steps + 1)
+        result[kind] = {"seconds": seconds, "faults": faults}
+        del head, feats
+    print(json.dumps(result))
 
 
 def readout_rows(head) -> int:

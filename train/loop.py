@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from headway.heads.base import DraftHead, build_head, simulated_tau
+from headway.heads.kernels.allocator import keep_freed_memory
 from headway.heads.target import load_target
 from headway.train.checkpoints import load_checkpoint, resume_point, run_identity, save_checkpoint, save_head_folder
 from headway.train.config import ConfigError, TrainingError, check_config, check_fits_context
@@ -146,7 +147,8 @@ def make_accelerator(cfg: DictConfig) -> Accelerator:
         kwargs_handlers=gloo,
     )
     if not on_gpu:  # after Accelerator(), which may set its own count
-        log.info(f"CPU threads per process: {use_cpu_threads(cfg.cpu_threads)}; mixed precision: {precision}")
+        log.info(f"CPU threads per process: {use_cpu_threads(cfg.cpu_threads)}; mixed precision: {precision}; "
+                 f"freed memory kept for reuse: {keep_freed_memory()}")
     return accelerator
 
 

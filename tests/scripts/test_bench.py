@@ -104,6 +104,17 @@ def test_bench_train_precision(script, capsys):
     assert float(HEADLINE.search(lines[-1])[0][2:-1]) == pytest.approx(ratio, abs=0.02)
 
 
+def test_bench_train_allocator(script, capsys):
+    """Freed memory returned and kept, each timed in its own processes; the headline is EAGLE's ratio of the
+    table's step times."""
+    lines = run(script("bench_train"), ["--quick", "--allocator", "--heads", "eagle"], capsys)
+    rows = {r[1]: r for r in map(str.split, lines[:-1]) if r[:1] == ["eagle"] and len(r) == 5}
+    assert set(rows) == {"returned", "kept"}
+    assert lines[-1].startswith("eagle head step, freed memory kept vs returned")
+    ratio = float(rows["returned"][2]) / float(rows["kept"][2])
+    assert float(HEADLINE.search(lines[-1])[0][2:-1]) == pytest.approx(ratio, abs=0.02)
+
+
 def test_bench_layouts(script, capsys):
     lines = run(script("bench_layouts"), ["--target", "tiny-random", "--rows", "1", "4", "--repeats", "1"], capsys)
     table = {line.split()[0]: line.split() for line in lines[1:-1]}
