@@ -116,11 +116,9 @@ def build(cfg) -> dict:
         ("cpu" if cfg.device == "auto" else cfg.device)
     rank, world, barrier = distributed(device)
     if device == "cpu":  # accelerate launch would leave one thread per process
-        from headway.heads.kernels.allocator import keep_freed_memory
         from headway.train.threads import use_cpu_threads
 
         use_cpu_threads(cfg.cpu_threads)
-        keep_freed_memory()  # the cache pass allocates the same large activations batch after batch
     if device == "cuda" and world > 1:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
     target = load_target(OmegaConf.to_container(cfg.target, resolve=True), device=device)

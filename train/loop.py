@@ -64,6 +64,8 @@ def train(cfg: DictConfig) -> Path:
     accelerator = make_accelerator(cfg)
     run_dir = shared_run_dir(accelerator, cfg.output_dir)
     job = setup(cfg, accelerator)
+    if accelerator.device.type == "cpu":  # from here on the steps allocate the same large tensors every time
+        log.info(f"freed memory kept for reuse by the training steps: {keep_freed_memory()}")
     state, resumed = restore(cfg, accelerator, run_dir, job.identity)
     metrics = MetricsLog(accelerator, run_dir, cfg, resumed_step=state["step"])  # drops rows after it
 
@@ -147,8 +149,7 @@ def make_accelerator(cfg: DictConfig) -> Accelerator:
         kwargs_handlers=gloo,
     )
     if not on_gpu:  # after Accelerator(), which may set its own count
-        log.info(f"CPU threads per process: {use_cpu_threads(cfg.cpu_threads)}; mixed precision: {precision}; "
-                 f"freed memory kept for reuse: {keep_freed_memory()}")
+        log.info(f"CPU threads per process: {use_cpu_threads(cfg.cpu_threads)}; mixed precision: {precision}")
     return accelerator
 
 

@@ -9,8 +9,9 @@ default training step ~1.4x slower than the same step with the memory kept (docs
 mmap for malloc and trimming only above 2 GiB of free heap makes a freed block reusable by the next
 allocation of its size; the process's peak memory is unchanged, it is just not returned early.
 
-The switch is process-wide, so the programs call it (training, data build, evaluation, benchmarks), not
-the library code they import. It does nothing where the C library is not glibc.
+The switch is process-wide, so programs call it where it was measured to pay (the training job, once its
+data and hidden-state cache are built; batched generation measured no gain), not the library code they
+import. It does nothing where the C library is not glibc.
 """
 
 from __future__ import annotations
