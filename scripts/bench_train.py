@@ -28,7 +28,7 @@ EAGLE's bf16 / fp32 tokens/s.
 With --allocator, each head's default step (in the precision the default job picks here) runs in child
 processes with glibc's malloc as it comes ("returned": large blocks are mmapped and unmapped on free) and with
 heads.kernels.allocator.keep_freed_memory ("kept", what the training job sets), the two alternating three
-times; the table adds page faults per step, and the last line is EAGLE's kept / returned tokens/s.
+times (once with --quick); the table adds page faults per step, and the last line is EAGLE's kept / returned tokens/s.
 """
 
 from __future__ import annotations
@@ -302,8 +302,8 @@ def allocator(args, argv) -> None:
           f"{args.vocab_batch} x {args.vocab_length} tokens, {args.steps} timed steps per point, in child "
           f"processes, freed memory returned (glibc as it comes) and kept (the training job) alternating")
     child_argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--allocator"]
-    runs = {mode: [] for mode in ALLOCATOR_MODES}
-    for _ in range(3):
+    runs, rounds = {mode: [] for mode in ALLOCATOR_MODES}, 1 if args.quick else 3
+    for _ in range(rounds):
         for mode in ALLOCATOR_MODES:
             out = subprocess.run([sys.executable, __file__, *child_argv, "--allocator-child", mode],
                                  capture_output=True, text=True, check=True).stdout
@@ -317,7 +317,7 @@ def allocator(args, argv) -> None:
             rows.append({"head": kind, "freed memory": mode, "head ms/step": 1e3 * best[mode],
                          "train tok/s": tokens / best[mode], "page faults/step": faults})
         speedup[kind] = best["returned"] / best["kept"]
-    report_speedups(rows, "\n(best of 3 alternating processes; page faults: their mean)", speedup,
+    report_speedups(rows, f"\n(best of {rounds} alternating processes; page faults: their mean)", speedup,
                     "freed memory kept", "returned")
 
 
