@@ -7,6 +7,7 @@ absolute times), print one table, and end with one line stating the headline rat
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -59,12 +60,16 @@ def headline(ratio: float, what: str) -> None:
 
 def load_bench_target(name: str, device: str = "cpu", dtype: str | None = "auto"):
     """A preset of conf/target/ (smollm2-135m, tiny-random, smollm2-random, ...) or an HF path/hub name,
-    frozen, on `device`."""
-    from headway.heads.target import load_target, target_spec
+    frozen, on `device`. A target that cannot be loaded ends the benchmark with one `error:` line, exit 2."""
+    from headway.heads.target import TargetError, load_target, target_spec
 
-    spec = target_spec(name)
-    spec.dtype = dtype or spec.dtype  # None: the preset's
-    return load_target(spec, device=device)
+    try:
+        spec = target_spec(name)
+        spec.dtype = dtype or spec.dtype  # None: the preset's
+        return load_target(spec, device=device)
+    except TargetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def bench_prompts(tokenizer, sets: list[str], per_set: int | None) -> list[tuple[str, list[int]]]:

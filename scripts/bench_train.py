@@ -305,9 +305,13 @@ def allocator(args, argv) -> None:
     runs, rounds = {mode: [] for mode in ALLOCATOR_MODES}, 1 if args.quick else 3
     for _ in range(rounds):
         for mode in ALLOCATOR_MODES:
-            out = subprocess.run([sys.executable, __file__, *child_argv, "--allocator-child", mode],
-                                 capture_output=True, text=True, check=True).stdout
-            runs[mode].append(json.loads(out.strip().splitlines()[-1]))
+            child = subprocess.run([sys.executable, __file__, *child_argv, "--allocator-child", mode],
+                                   capture_output=True, text=True)
+            if child.returncode:  # its own error line (a bad --target, ...), or its traceback's last line
+                last = (child.stderr.strip().splitlines() or ["no output"])[-1]
+                print(last if last.startswith("error:") else f"error: the {mode} side failed: {last}", file=sys.stderr)
+                sys.exit(child.returncode)
+            runs[mode].append(json.loads(child.stdout.strip().splitlines()[-1]))
     tokens = args.vocab_batch * args.vocab_length
     rows, speedup = [], {}
     for kind in args.heads:

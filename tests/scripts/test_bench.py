@@ -115,6 +115,16 @@ def test_bench_train_allocator(script, capsys):
     assert float(HEADLINE.search(lines[-1])[0][2:-1]) == pytest.approx(ratio, abs=0.02)
 
 
+def test_bench_train_allocator_bad_target_is_one_error_line(script, capsys):
+    """The child processes' error comes back as the benchmark's own: one line, exit 2, no table."""
+    with pytest.raises(SystemExit) as exit_:
+        script("bench_train").main(["--allocator", "--target", "/no/such/target"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("error: target.path '/no/such/target'")
+    assert "head ms/step" not in out
+
+
 def test_bench_layouts(script, capsys):
     lines = run(script("bench_layouts"), ["--target", "tiny-random", "--rows", "1", "4", "--repeats", "1"], capsys)
     table = {line.split()[0]: line.split() for line in lines[1:-1]}
