@@ -264,6 +264,16 @@ def headline_kind(speedup: dict[str, float]) -> str:
     return "eagle" if "eagle" in speedup else next(iter(speedup))
 
 
+def default_head(kind: str, target, batch: dict, args):
+    """-> (the head with its conf/head defaults, in training mode, its training vocabulary from counts like
+    real data's, and the target's features for `batch`)."""
+    torch.manual_seed(0)
+    head = build_head(kind, target, **head_options(kind)).to(args.device).train()
+    head.init_from_data(torch.arange(target.config.vocab_size, 0, -1))  # lower BPE ids are more frequent
+    feats = compute_features(target.model, batch["input_ids"], batch["attention_mask"], head.feature_layers())
+    return head, feats
+
+
 def report_speedups(rows: list[dict], note: str, speedup: dict[str, float], new: str, old: str) -> None:
     """The table, each head's `new` / `old` tokens/s, and the headline (EAGLE's, or the first head's)."""
     bc.print_table(rows, note)
@@ -278,14 +288,10 @@ def precision(target, args) -> None:
     print(f"head step only (forward + backward + AdamW), defaults, batch {args.vocab_batch} x {args.vocab_length} "
           f"tokens, {args.steps} timed steps per point, fp32 and bf16 autocast interleaved")
     batch = make_batch(target, args.vocab_length, args.vocab_batch, args.device, args.prompt_share)
-    counts = torch.arange(target.config.vocab_size, 0, -1)
     tokens = args.vocab_batch * args.vocab_length
     rows, speedup = [], {}
     for kind in args.heads:
-        torch.manual_seed(0)
-        head = build_head(kind, target, **head_options(kind)).to(args.device).train()
-        head.init_from_data(counts)
-        feats = compute_features(target.model, batch["input_ids"], batch["attention_mask"], head.feature_layers())
+        head, feats = default_head(kind, target, batch, args)
         best = best_interleaved({name: (lambda d=dtype, h=head: time_head(h, batch, feats, args, autocast=d)[0])
                                  for name, dtype in (("fp32", None), ("bf16 autocast", torch.bfloat16))})
         rows += [{"head": kind, "precision": name, "head ms/step": 1e3 * t, "train tok/s": tokens / t}
@@ -333,10 +339,7 @@ def allocator_child(target, args) -> None:
     batch = make_batch(target, args.vocab_length, args.vocab_batch, args.device, args.prompt_share)
     result = {}
     for kind in args.heads:
-        torch.manual_seed(0)
-        head = build_head(kind, target, **head_options(kind)).to(args.device).train()
-        head.init_from_data(torch.arange(target.config.vocab_size, 0, -1))
-        feats = compute_features(target.model, batch["input_ids"], batch["attention_mask"], head.feature_layers())
+        head, feats = default_head(kind, target, batch, args)
         time_head(head, batch, feats, args, autocast)  # warm-up: the allocator's heap reaches its size
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         seconds = time_head(head, batch, feats, args, autocast)[0]
