@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from headway.heads.base import HeadError, HeadLoss, TargetFeatures
+from headway.heads.kernels import chain_attention
 
 
 # ------------------------------------------------------------------------------------------- options
@@ -67,9 +68,10 @@ def decoder_layer_class(config) -> type[nn.Module]:
 
 
 def head_layer_config(config):
-    """The target's config for the head's own layers: same shapes, our attention path (explicit masks)."""
+    """The target's config for the head's own layers: same shapes, our attention path (explicit masks: tensors
+    through SDPA, the training-time test's ChainMasks through heads.kernels.chain_attention)."""
     cfg = copy.deepcopy(config)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = chain_attention.NAME
     return cfg
 
 
@@ -267,16 +269,10 @@ class UnrollKV:
     def __init__(self):
         self.keys: list[tuple[Tensor, Tensor]] = []
 
-    def step_kv_and_mask(self, T: int, device) -> tuple[JoinKV, Tensor]:
-        j = len(self.keys) + 1
-        t = torch.arange(T, device=device)
-        blocks = []
-        for i in range(1, j + 1):
-            if i == 1:
-                blocks.append(t[None, :] <= t[:, None] - (j - 1))  # true-feature context
-            else:
-                blocks.append(t[None, :] == t[:, None] - (j - i))  # ancestor at depth i - 1 (i = j: itself)
-        mask = torch.cat(blocks, -1)[None, None]  # [1, 1, T, j*T]
+    def step_kv_and_mask(self, T: int) -> tuple[JoinKV, chain_attention.ChainMask]:
+        """The next step's keys (earlier steps' ++ its own) and which of them each query sees: step j's query t
+        sees step-1 keys at positions <= t - (j - 1) and one key of each step i = 2..j, at t - (j - i)."""
+        mask = chain_attention.ChainMask(steps=len(self.keys) + 1, length=T)
         prefix = None
         if self.keys:
             prefix = (torch.cat([k for k, _ in self.keys], 2), torch.cat([v for _, v in self.keys], 2))
@@ -461,7 +457,7 @@ def unroll_steps(step, emb: Tensor, first_hidden: Tensor, steps: int) -> list[Te
     positions = torch.arange(T, device=emb.device)[None].expand(B, T)
     keys, outs, hidden = UnrollKV(), [], first_hidden
     for _ in range(steps):
-        kv, mask = keys.step_kv_and_mask(T, emb.device)
+        kv, mask = keys.step_kv_and_mask(T)
         out = step(emb, hidden, positions, kv, mask)
         keys.keep(kv)
         outs.append(out)

@@ -20,6 +20,7 @@ per token can be checked to grow no worse than linearly with the sequence length
     python scripts/bench_train.py --quick                           # tiny random target (smoke test)
     python scripts/bench_train.py --precision                       # the defaults' step: fp32 vs bf16 autocast
     python scripts/bench_train.py --allocator --prompt-share 0.26   # the defaults' step: freed memory kept vs returned
+    python scripts/bench_train.py --attention --prompt-share 0.26   # EAGLE, EAGLE-3: chain attention vs a dense mask
 
 With --precision, each head's default step (training vocabulary) runs in fp32 and under bf16 autocast
 (precision=bf16, what precision=auto picks on a GPU and on a CPU with AMX), interleaved; the last line is
@@ -29,6 +30,11 @@ With --allocator, each head's default step (in the precision the default job pic
 processes with glibc's malloc as it comes ("returned": large blocks are mmapped and unmapped on free) and with
 heads.kernels.allocator.keep_freed_memory ("kept", what the training job sets), the two alternating three
 times (once with --quick); the table adds page faults per step, and the last line is EAGLE's kept / returned tokens/s.
+
+With --attention, the heads that unroll a training-time test (EAGLE, EAGLE-3) take their default step (in the
+precision the default job picks here, freed memory kept) with the unroll's attention as chain_attention computes
+it (heads.kernels.chain_attention, the default) and as SDPA with the dense chain mask (before), interleaved; the
+last line is EAGLE's chain / dense tokens/s.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--precision", action="store_true", help="the default head step: fp32 vs bf16 autocast")
     p.add_argument("--allocator", action="store_true", help="the default head step: freed memory kept vs returned")
     p.add_argument("--allocator-child", choices=ALLOCATOR_MODES, help=argparse.SUPPRESS)  # one timed side
+    p.add_argument("--attention", action="store_true",
+                   help="EAGLE, EAGLE-3 default step: the unroll's chain attention vs SDPA with a dense mask")
     p.add_argument("--quick", action="store_true", help="tiny random target, lengths 32 and 64 (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -214,6 +222,8 @@ def main(argv=None) -> None:
         scaling(target, args)
     elif args.precision:
         precision(target, args)
+    elif args.attention:
+        attention(target, args)
     else:
         vocabulary(target, args)
 
@@ -299,6 +309,43 @@ def precision(target, args) -> None:
         speedup[kind] = best["fp32"] / best["bf16 autocast"]
         del head
     report_speedups(rows, "\n(best of 3 interleaved repeats)", speedup, "bf16 autocast", "fp32")
+
+
+UNROLLING_HEADS = ("eagle", "eagle3")  # heads whose training step unrolls a training-time test
+
+
+def attention(target, args) -> None:
+    """Head step tokens/s of the unrolling heads' defaults: chain attention vs SDPA with the dense chain mask."""
+    from headway.heads.kernels.allocator import keep_freed_memory
+    from headway.heads.kernels.chain_attention import dense_chain_masks
+    from headway.train.loop import cpu_multiplies_bf16
+
+    kinds = [kind for kind in args.heads if kind in UNROLLING_HEADS]
+    if not kinds:
+        sys.exit(f"error: --attention times the heads that unroll a training-time test ({', '.join(UNROLLING_HEADS)}); "
+                 f"--heads names none of them")
+    keep_freed_memory()  # as the training job steps
+    autocast = torch.bfloat16 if args.device != "cpu" or cpu_multiplies_bf16() else None  # as precision=auto
+    print(f"head step only (forward + backward + AdamW), defaults, {'bf16 autocast' if autocast else 'fp32'}, batch "
+          f"{args.vocab_batch} x {args.vocab_length} tokens, {args.steps} timed steps per point, the unroll's "
+          f"attention as chain attention and as SDPA with the dense mask, interleaved")
+    batch = make_batch(target, args.vocab_length, args.vocab_batch, args.device, args.prompt_share)
+    tokens = args.vocab_batch * args.vocab_length
+    rows, speedup = [], {}
+    for kind in kinds:
+        head, feats = default_head(kind, target, batch, args)
+
+        def dense_step(h=head, f=feats):
+            with dense_chain_masks():
+                return time_head(h, batch, f, args, autocast)[0]
+
+        best = best_interleaved({"dense mask": dense_step,
+                                 "chain": lambda h=head, f=feats: time_head(h, batch, f, args, autocast)[0]})
+        rows += [{"head": kind, "attention": name, "head ms/step": 1e3 * t, "train tok/s": tokens / t}
+                 for name, t in best.items()]
+        speedup[kind] = best["dense mask"] / best["chain"]
+        del head
+    report_speedups(rows, "\n(best of 3 interleaved repeats)", speedup, "chain attention", "a dense mask")
 
 
 def allocator(args, argv) -> None:

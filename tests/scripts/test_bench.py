@@ -125,6 +125,23 @@ def test_bench_train_allocator_bad_target_is_one_error_line(script, capsys):
     assert "head ms/step" not in out
 
 
+def test_bench_train_attention(script, capsys):
+    """Chain attention and the dense mask per unrolling head (Medusa is left out); the headline is EAGLE's ratio."""
+    lines = run(script("bench_train"), ["--quick", "--attention", "--heads", "medusa", "eagle", "eagle3"], capsys)
+    rows = {(r[0], r[1]): float(r[-2]) for r in map(str.split, lines[:-1]) if r[:1] in (["eagle"], ["eagle3"])
+            and len(r) in (4, 5)}  # "eagle dense mask ms tok/s", "eagle chain ms tok/s"
+    assert set(rows) == {(h, a) for h in ("eagle", "eagle3") for a in ("dense", "chain")}
+    assert lines[-1].startswith("eagle head step, chain attention vs a dense mask")
+    ratio = rows["eagle", "dense"] / rows["eagle", "chain"]
+    assert float(HEADLINE.search(lines[-1])[0][2:-1]) == pytest.approx(ratio, abs=0.02)
+
+
+def test_bench_train_attention_without_an_unrolling_head_is_one_error_line(script, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        script("bench_train").main(["--quick", "--attention", "--heads", "medusa", "mtp"])
+    assert "error: --attention times the heads that unroll" in str(exit_.value.code)
+
+
 def test_bench_layouts(script, capsys):
     lines = run(script("bench_layouts"), ["--target", "tiny-random", "--rows", "1", "4", "--repeats", "1"], capsys)
     table = {line.split()[0]: line.split() for line in lines[1:-1]}
