@@ -311,6 +311,13 @@ def precision(target, args) -> None:
     report_speedups(rows, "\n(best of 3 interleaved repeats)", speedup, "bf16 autocast", "fp32")
 
 
+def job_autocast(args) -> torch.dtype | None:
+    """The autocast dtype the default job's precision=auto picks on this device (None: fp32)."""
+    from headway.train.loop import cpu_multiplies_bf16
+
+    return torch.bfloat16 if args.device != "cpu" or cpu_multiplies_bf16() else None
+
+
 UNROLLING_HEADS = ("eagle", "eagle3")  # heads whose training step unrolls a training-time test
 
 
@@ -318,14 +325,12 @@ def attention(target, args) -> None:
     """Head step tokens/s of the unrolling heads' defaults: chain attention vs SDPA with the dense chain mask."""
     from headway.heads.kernels.allocator import keep_freed_memory
     from headway.heads.kernels.chain_attention import dense_chain_masks
-    from headway.train.loop import cpu_multiplies_bf16
-
     kinds = [kind for kind in args.heads if kind in UNROLLING_HEADS]
     if not kinds:
         sys.exit(f"error: --attention times the heads that unroll a training-time test ({', '.join(UNROLLING_HEADS)}); "
                  f"--heads names none of them")
     keep_freed_memory()  # as the training job steps
-    autocast = torch.bfloat16 if args.device != "cpu" or cpu_multiplies_bf16() else None  # as precision=auto
+    autocast = job_autocast(args)
     print(f"head step only (forward + backward + AdamW), defaults, {'bf16 autocast' if autocast else 'fp32'}, batch "
           f"{args.vocab_batch} x {args.vocab_length} tokens, {args.steps} timed steps per point, the unroll's "
           f"attention as chain attention and as SDPA with the dense mask, interleaved")
@@ -380,9 +385,7 @@ def allocator(args, argv) -> None:
 
 def allocator_child(target, args) -> None:
     """One side of --allocator: print {head: {seconds, faults}} per step of each default head as JSON."""
-    from headway.train.loop import cpu_multiplies_bf16
-
-    autocast = torch.bfloat16 if args.device != "cpu" or cpu_multiplies_bf16() else None  # as precision=auto
+    autocast = job_autocast(args)
     batch = make_batch(target, args.vocab_length, args.vocab_batch, args.device, args.prompt_share)
     result = {}
     for kind in args.heads:
