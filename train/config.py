@@ -69,6 +69,8 @@ class LoopConfig:
     seed: int = MISSING
     stop_after: Optional[int] = MISSING  # end this job after N steps (checkpoint first) without
     #                                      finishing the schedule; continue later with resume=latest
+    ema_decay: Optional[float] = None  # validate and ship an exponential moving average of the weights with
+    #                                    this decay (null: the weights as trained); train/ema.py
 
 
 @dataclass
@@ -139,6 +141,7 @@ RULES = [
     ("train.keep_checkpoints", lambda v: v >= 1, ">= 1"),
     ("train.log_every", lambda v: v >= 1, ">= 1"),
     ("train.stop_after", lambda v: v is None or v >= 1, ">= 1 or null"),
+    ("train.ema_decay", lambda v: v is None or 0 < v < 1, "in (0, 1) or null (no average)"),
     ("logger.kind", lambda v: v in LOGGERS, f"one of {', '.join(LOGGERS)}"),
     ("device", lambda v: v in DEVICES, f"one of {', '.join(DEVICES)}"),
     ("precision", lambda v: v in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),

@@ -35,6 +35,7 @@ from headway.train.config import ConfigError, TrainingError, check_config, check
 from headway.train.data import build_datasets, collate_fn, make_feature_source, token_counts
 from headway.train.data.batching import LengthGroupedBatches, example_lengths
 from headway.train.data.capture import capture_plan
+from headway.train.ema import WeightAverage
 from headway.train.metrics import MetricsLog
 from headway.train.threads import use_cpu_threads
 
@@ -52,6 +53,7 @@ class Job:
     val_dl: DataLoader | None
     features: Callable  # batch -> TargetFeatures of the frozen target
     identity: dict  # head kind and options, target name, revision, architecture, weights fingerprint
+    ema: WeightAverage | None = None  # train.ema_decay: the averaged weights validation scores and runs ship
 
 
 def train(cfg: DictConfig) -> Path:
@@ -102,7 +104,8 @@ def train(cfg: DictConfig) -> Path:
 
     if step >= t.max_steps:
         window.count_tokens(state)
-        save_head_folder(accelerator, job.model, run_dir / "final", recipe(cfg, accelerator, step, state))
+        with averaged(job):
+            save_head_folder(accelerator, job.model, run_dir / "final", recipe(cfg, accelerator, step, state))
         log.info(f"trained {step} steps in {time.perf_counter() - started:.1f}s: {run_dir / 'final'}")
     else:
         log.info(f"stopped after step {step} (train.stop_after); continue with resume=latest "
@@ -229,7 +232,25 @@ def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
         val_dl = accelerator.prepare(val_dl)
     set_seed(t.seed, device_specific=True)  # training noise differs per rank
     identity = run_identity(cfg.head.kind, OmegaConf.to_container(cfg.head.options, resolve=True), target)
-    return Job(accelerator, model, optimizers, train_dl, val_dl, features, identity)
+    ema = weight_average(cfg, accelerator, model)
+    return Job(accelerator, model, optimizers, train_dl, val_dl, features, identity, ema)
+
+
+def weight_average(cfg: DictConfig, accelerator: Accelerator, model) -> WeightAverage | None:
+    """train.ema_decay's average, saved and restored with every checkpoint."""
+    if cfg.train.ema_decay is None:
+        return None
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise ConfigError("train.ema_decay needs every weight whole on each rank, and DeepSpeed ZeRO partitions "
+                          "them: launch with DDP (conf/accelerate/multi_gpu.yaml) or set train.ema_decay=null")
+    ema = WeightAverage(accelerator.unwrap_model(model), cfg.train.ema_decay)
+    accelerator.register_for_checkpointing(ema)
+    return ema
+
+
+def averaged(job: Job):
+    """The head holds its averaged weights for the time (nothing to do without train.ema_decay)."""
+    return job.ema.swapped_in() if job.ema is not None else nullcontext()
 
 
 def restore(cfg: DictConfig, accelerator: Accelerator, run_dir: Path, identity: dict) -> tuple[dict, bool]:
@@ -359,6 +380,8 @@ def micro_step(job: Job, batch: dict, window: "Window", max_norm: float, step: i
         for optimizer in job.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if job.ema is not None and accelerator.sync_gradients:
+            job.ema.update()
     window.add(out, batch)
 
 
@@ -438,11 +461,12 @@ def validate(job: Job) -> dict:
     model.eval()
     correct = count = None
     loss, batches = 0.0, 0
-    for batch in job.val_dl:
-        out = model(batch["input_ids"], batch["loss_mask"], job.features(batch))
-        correct = out.depth_correct.float() if correct is None else correct + out.depth_correct
-        count = out.depth_count.float() if count is None else count + out.depth_count
-        loss, batches = loss + out.loss.float(), batches + 1
+    with averaged(job):
+        for batch in job.val_dl:
+            out = model(batch["input_ids"], batch["loss_mask"], job.features(batch))
+            correct = out.depth_correct.float() if correct is None else correct + out.depth_correct
+            count = out.depth_count.float() if count is None else count + out.depth_count
+            loss, batches = loss + out.loss.float(), batches + 1
     model.train()
     correct = accelerator.reduce(correct, "sum")  # [K]
     count = accelerator.reduce(count, "sum")  # [K]
@@ -459,8 +483,9 @@ def keep_if_best(cfg: DictConfig, job: Job, run_dir: Path, step: int, state: dic
         return
     state.update(best_sim_tau=tau, best_step=step)
     window.count_tokens(state)
-    save_head_folder(job.accelerator, job.model, run_dir / "checkpoints" / "best",
-                     recipe(cfg, job.accelerator, step, state))
+    with averaged(job):
+        save_head_folder(job.accelerator, job.model, run_dir / "checkpoints" / "best",
+                         recipe(cfg, job.accelerator, step, state))
 
 
 # ------------------------------------------------------------------------------------ the result
@@ -478,6 +503,7 @@ def recipe(cfg: DictConfig, accelerator: Accelerator, step: int, state: dict) ->
         "effective_batch_size": t.batch_size * t.grad_accum * accelerator.num_processes,
         "max_length": t.max_length,
         "seed": t.seed,
+        "ema_decay": t.ema_decay,
         "data": OmegaConf.to_container(cfg.data, resolve=True),
         "tokens_seen": state["tokens_seen"],
         "validation": state["last_val"],
