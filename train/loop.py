@@ -240,9 +240,12 @@ def weight_average(cfg: DictConfig, accelerator: Accelerator, model) -> WeightAv
     """train.ema_decay's average, saved and restored with every checkpoint."""
     if cfg.train.ema_decay is None:
         return None
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise ConfigError("train.ema_decay needs every weight whole on each rank, and DeepSpeed ZeRO partitions "
-                          "them: launch with DDP (conf/accelerate/multi_gpu.yaml) or set train.ema_decay=null")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # as optim=muon falls back to AdamW there
+        if accelerator.is_main_process:
+            log.warning("train.ema_decay: DeepSpeed ZeRO partitions the weights the average needs whole, so this "
+                        "run validates and ships the weights as trained (set train.ema_decay=null to say so, or "
+                        "launch with DDP: conf/accelerate/multi_gpu.yaml)")
+        return None
     ema = WeightAverage(accelerator.unwrap_model(model), cfg.train.ema_decay)
     accelerator.register_for_checkpointing(ema)
     return ema

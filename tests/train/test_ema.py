@@ -1,5 +1,5 @@
 """train.ema_decay: the averaged weights (their decay ramp, the swap in and out) and a training run that
-validates and ships them, resumes them exactly, and refuses DeepSpeed in one line."""
+validates and ships them and resumes them exactly (under DeepSpeed: a warning, the weights as trained)."""
 
 import pytest
 import torch
@@ -63,15 +63,17 @@ def test_a_decay_outside_0_1_is_one_clear_error(tmp_path):
         train(compose_train("head=eagle", "experiment=smoke", "train.ema_decay=1.5", run_dir=tmp_path / "bad"))
 
 
-def test_deepspeed_is_refused_in_one_line():
+def test_under_deepspeed_the_run_warns_and_ships_the_weights_as_trained(caplog):
     """ZeRO partitions the weights the average needs whole on each rank."""
     from types import SimpleNamespace
 
+    from accelerate import PartialState
     from accelerate.utils import DistributedType
 
-    from headway.train.config import ConfigError
     from headway.train.loop import weight_average
 
+    PartialState(cpu=True)  # accelerate's logger needs its state
     cfg = compose_train("head=eagle", "experiment=smoke", "train.ema_decay=0.99")
-    with pytest.raises(ConfigError, match="train.ema_decay needs every weight whole .* DeepSpeed ZeRO"):
-        weight_average(cfg, SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), nn.Linear(2, 2))
+    accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, is_main_process=True)
+    assert weight_average(cfg, accelerator, nn.Linear(2, 2)) is None
+    assert "DeepSpeed ZeRO partitions the weights the average needs whole" in caplog.text
