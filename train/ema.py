@@ -3,9 +3,10 @@ what the run ships (best/ and final/), while the optimizer keeps stepping the ra
 
 Averaging the last stretch of a run smooths the noise of small batches: on the default EAGLE job the plain
 mean of the weights at steps 3,400, 3,600 and 3,750 already drafted better on held-out prompts than the
-final weights alone (docs/training.md). The decay ramps up as min(decay, (1 + n) / (10 + n)) after n updates,
-so the random initialisation does not linger in the average of a short run. The average is registered with
-accelerate's checkpointing: a resumed run continues it exactly.
+final weights alone (docs/training.md). After n updates the decay is min(decay, n / (n + 1)): the plain mean
+of the weights so far until the window of 1 / (1 - decay) steps is full, an exponential average after, so the
+window is what `decay` says even in a run of a few thousand steps. The average is registered with accelerate's
+checkpointing: a resumed run continues it exactly.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class WeightAverage:
         self.decay, self.updates = decay, 0
 
     def current_decay(self) -> float:
-        return min(self.decay, (1 + self.updates) / (10 + self.updates))
+        # the plain mean of the weights so far until the window 1 / (1 - decay) is full, then exponential
+        return min(self.decay, self.updates / (1 + self.updates))
 
     @torch.no_grad()
     def update(self) -> None:

@@ -25,8 +25,8 @@ def test_the_average_follows_the_ramped_decay_and_skips_frozen_weights():
         history.append([p.detach().clone() for p in model.parameters() if p.requires_grad])
         ema.update()
     expected = first
-    for n, params in enumerate(history):  # decay min(0.5, (1 + n) / (10 + n)): 0.1, 0.18, 0.25, 0.31
-        d = min(0.5, (1 + n) / (10 + n))
+    for n, params in enumerate(history):  # decay min(0.5, n / (n + 1)): 0, 0.5, 0.5, 0.5
+        d = min(0.5, n / (n + 1))
         expected = [d * e + (1 - d) * p for e, p in zip(expected, params)]
     for s, e in zip(ema.shadow, expected):
         torch.testing.assert_close(s, e)
