@@ -506,7 +506,8 @@ def recipe(cfg: DictConfig, accelerator: Accelerator, step: int, state: dict) ->
         "effective_batch_size": t.batch_size * t.grad_accum * accelerator.num_processes,
         "max_length": t.max_length,
         "seed": t.seed,
-        "ema_decay": t.ema_decay,
+        # what the weights are: DeepSpeed runs ship them as trained (weight_average)
+        "ema_decay": None if accelerator.distributed_type == DistributedType.DEEPSPEED else t.ema_decay,
         "data": OmegaConf.to_container(cfg.data, resolve=True),
         "tokens_seen": state["tokens_seen"],
         "validation": state["last_val"],
