@@ -105,7 +105,7 @@ def train(cfg: DictConfig) -> Path:
     if step >= t.max_steps:
         window.count_tokens(state)
         with averaged(job):
-            save_head_folder(accelerator, job.model, run_dir / "final", recipe(cfg, accelerator, step, state))
+            save_head_folder(accelerator, job.model, run_dir / "final", recipe(cfg, job, step, state))
         log.info(f"trained {step} steps in {time.perf_counter() - started:.1f}s: {run_dir / 'final'}")
     else:
         log.info(f"stopped after step {step} (train.stop_after); continue with resume=latest "
@@ -488,14 +488,14 @@ def keep_if_best(cfg: DictConfig, job: Job, run_dir: Path, step: int, state: dic
     window.count_tokens(state)
     with averaged(job):
         save_head_folder(job.accelerator, job.model, run_dir / "checkpoints" / "best",
-                         recipe(cfg, job.accelerator, step, state))
+                         recipe(cfg, job, step, state))
 
 
 # ------------------------------------------------------------------------------------ the result
 
-def recipe(cfg: DictConfig, accelerator: Accelerator, step: int, state: dict) -> dict:
+def recipe(cfg: DictConfig, job: Job, step: int, state: dict) -> dict:
     """What went into a head, stored in its config.json (export writes the model card from it)."""
-    t = cfg.train
+    t, accelerator = cfg.train, job.accelerator
     return {"training": {
         "steps": step,
         "max_steps": t.max_steps,
@@ -506,8 +506,7 @@ def recipe(cfg: DictConfig, accelerator: Accelerator, step: int, state: dict) ->
         "effective_batch_size": t.batch_size * t.grad_accum * accelerator.num_processes,
         "max_length": t.max_length,
         "seed": t.seed,
-        # what the weights are: DeepSpeed runs ship them as trained (weight_average)
-        "ema_decay": None if accelerator.distributed_type == DistributedType.DEEPSPEED else t.ema_decay,
+        "ema_decay": job.ema.decay if job.ema else None,  # what the weights are (None: as trained)
         "data": OmegaConf.to_container(cfg.data, resolve=True),
         "tokens_seen": state["tokens_seen"],
         "validation": state["last_val"],
