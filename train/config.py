@@ -59,7 +59,7 @@ class LoopConfig:
     grad_accum: int = MISSING  # micro-steps per optimizer step (effective batch = batch x accum x procs)
     max_length: int = MISSING  # tokens per sequence (longer conversations are truncated)
     group_by_length: bool = True  # batches of similar-length conversations (less padding), still shuffled
-    loss_on: str = "assistant"  # tokens learned in training: assistant (the replies) | all (prompt tokens too: the
+    loss_on: str = "all"  # tokens learned in training: assistant (the replies) | all (prompt tokens too: the
     # target's distribution is a soft label at every position); validation always scores the replies
     eval_every: int = MISSING  # validate every N steps (and at the end); 0 = only at the end
     eval_batches: Optional[int] = MISSING  # validation batches per process (null = the whole split)
