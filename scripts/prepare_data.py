@@ -77,9 +77,12 @@ def prepare(cfg: PrepareConfig) -> dict:
     g = cfg.generation
     if g.max_new_tokens < 1 or g.batch_size < 1:
         raise DataError("generation.max_new_tokens and generation.batch_size must be >= 1")
+    from headway.train.data.decode import check_precision
     from headway.train.data.vllm_decode import resolve_backend
 
     regen_cfg = cfg.default_set.regen
+    check_precision(g.precision, "generation.precision")
+    check_precision(regen_cfg.precision, "default_set.regen.precision")
     resolve_backend(g.backend, g.vllm_python)  # a bad choice fails before any model loads
     resolve_backend(regen_cfg.backend, regen_cfg.vllm_python)
     device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else \

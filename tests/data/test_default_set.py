@@ -141,3 +141,34 @@ def test_the_default_prompts_do_not_depend_on_the_interpreter_path():
     finally:
         alias.unlink()
     assert len(digests) == 1
+
+
+def test_a_bf16_build_fills_the_cache_and_marks_what_it_computed(target, tmp_path, monkeypatch):
+    """regen.precision=bf16: a bf16 copy of the target writes the data and its states; the fp32 target is
+    back after, the set has its own key, and the cache's shards say they hold bf16-computed states, which
+    validation then allows bf16's larger error (the fp32 tolerance would reject them)."""
+    from headway.train.data.default_set import default_dataset_path, default_prompts
+    from headway.train.data.hidden_cache import REL_TOL
+
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    cfg = default_cfg(tmp_path, precision="bf16")
+    capture = capture_plan(cfg, target, LAYERS, 96)
+    train_ds, val_ds = build_datasets(cfg, target.tokenizer, 96, capture=capture)
+    assert next(target.model.parameters()).dtype == torch.float32
+    stats = build_cache(capture.directory, target, [train_ds, val_ds], LAYERS, progress=False)
+    assert stats["new_entries"] == 0  # captured in the same pass, as in fp32
+    cache = HiddenStateCache(capture.directory, target, LAYERS)
+    assert {s.get("computed_in") for s in cache.index["shards"]} == {"bfloat16"}
+    err = cache.validate(target, samples=len(cache))
+    assert REL_TOL[torch.float32] < err < cache.tolerance(cache.keys()[0])
+    prompts = default_prompts(REGEN["num_prompts"])
+    paths = {p: default_dataset_path(RegenConfig(**{**REGEN, "precision": p}), prompts) for p in ("fp32", "bf16")}
+    assert paths["fp32"] != paths["bf16"]
+    assert paths["fp32"] == default_dataset_path(RegenConfig(**REGEN), prompts)
+
+
+def test_an_unknown_generation_precision_is_one_clear_error(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(DataError, match="precision=fp16: use one of fp32, bf16"):
+        build_datasets(default_cfg(tmp_path, precision="fp16"), target.tokenizer, 96)
+    assert not list((tmp_path / "cache" / "data").glob("*.jsonl"))

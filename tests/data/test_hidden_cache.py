@@ -352,3 +352,31 @@ def test_two_process_build_equals_one_process_build(target, tmp_path):
             x, y = a[key][name].double(), b[key][name].double()
             err = (x - y).norm() / x.norm().clamp(min=1e-30)
             assert err < 1e-5, (key, name, float(err))
+
+
+def test_validation_allows_bf16_computed_shards_bf16_error_only(target, cache_dir, tmp_path):
+    """States off by ~1% (what a bf16 copy of the target computes) fail the fp32 check unless their shard
+    records that it was computed in bf16."""
+    import shutil
+
+    def perturb(tensors):
+        gen = torch.Generator().manual_seed(0)
+        for name in [n for n in tensors if n.startswith("hidden.")]:
+            t = tensors[name]
+            scale = t.norm(dim=-1, keepdim=True) / t.shape[-1] ** 0.5  # each row's RMS
+            tensors[name] = t + 0.01 * scale * torch.randn(t.shape, generator=gen)
+
+    for mark in (False, True):
+        copy = tmp_path / f"marked-{mark}"
+        shutil.copytree(cache_dir, copy)
+        rewrite_shard(copy, perturb)
+        if mark:
+            index = read_index(copy)
+            index["shards"][0]["computed_in"] = "bfloat16"
+            (copy / "index.json").write_text(json.dumps(index))
+        cache = HiddenStateCache(copy, target, LAYERS)
+        if mark:
+            assert 1e-3 < cache.validate(target, samples=len(cache)) < 5e-2
+        else:
+            with pytest.raises(HiddenCacheError, match=r"relative error .* > 0.0001"):
+                cache.validate(target, samples=len(cache))

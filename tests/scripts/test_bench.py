@@ -177,8 +177,10 @@ def test_bench_datagen_refuses_a_batch_it_cannot_copy(script, capsys):
 
 def test_bench_generate_compares_weight_layouts(script, capsys):
     lines = run(script("bench_generate"), ["--target", "tiny-random", "--prompts", "3", "--batch-size", "2",
-                                           "--max-new-tokens", "3", "--weight-layouts", "stock", "wide-column"], capsys)
+                                           "--max-new-tokens", "3", "--weight-layouts", "stock", "wide-column", "bf16"],
+                capsys)
     assert lines[0].startswith("stock: ") and lines[1].startswith("wide-column: ") and "of 3)" in lines[1]
+    assert lines[2].startswith("bf16: ") and lines[-1].startswith("bf16 / stock tokens/s: ")
 
 
 @pytest.mark.parametrize("layout,why", [("tiles", "tiles: weight_layout=tiles needs a target"),

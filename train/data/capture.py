@@ -29,6 +29,7 @@ class FeatureCapture:
     layers: list[int]
     max_length: int
     target: object = None
+    dtype: object = None  # the cache's dtype (the target's); None: the generating model's
 
 
 def capture_plan(data_cfg, target, layers: list[int], max_length: int) -> FeatureCapture | None:
@@ -39,7 +40,8 @@ def capture_plan(data_cfg, target, layers: list[int], max_length: int) -> Featur
     from headway.train.data.hidden_cache import auto_cache_dir
 
     wanted = sorted(set(layers) | {target.config.num_hidden_layers})
-    return FeatureCapture(auto_cache_dir(target, wanted), wanted, max_length, target)
+    return FeatureCapture(auto_cache_dir(target, wanted), wanted, max_length, target,
+                          next(target.model.parameters()).dtype)
 
 
 class CaptureSession:
@@ -51,9 +53,12 @@ class CaptureSession:
         self.tokenizer = target.tokenizer
         self.max_length = capture.max_length
         self.markers = end_of_turn_markers(self.tokenizer)
-        dtype = next(target.model.parameters()).dtype
+        computed = next(target.model.parameters()).dtype  # a bf16 copy's while data is generated in bf16
+        dtype = capture.dtype or computed
         self.writer = CacheWriter(capture.directory, target, capture.layers, dtype, SHARD_TOKENS,
                                   {"source": "captured during data generation", "max_length": capture.max_length})
+        if computed != dtype:
+            self.writer.computed_in = str(computed).removeprefix("torch.")
         self.layers = self.writer.layers
         self.captured = 0
 

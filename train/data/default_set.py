@@ -25,9 +25,9 @@ from pathlib import Path
 from headway.heads.files import swap_in, write_json_atomic, write_text_atomic
 from headway.heads.target import cache_root
 from headway.train.data.config import DataError, RegenConfig
-from headway.train.data.decode import generation_layout
-from headway.train.data.regenerate import (HOW_NOT_WHAT, GenerationSettings, JsonlSink, ProgressBar, done_ids,
-                                           prompt_rows, regenerate, stop_token_ids, unwritable)
+from headway.train.data.decode import generating
+from headway.train.data.regenerate import (HOW_NOT_WHAT, GenerationSettings, JsonlSink, ProgressBar, content_settings,
+                                           done_ids, prompt_rows, regenerate, stop_token_ids, unwritable)
 from headway.train.data.self_prompts import SelfPromptSettings, candidate_rows, select_prompts, write_candidates
 from headway.train.data.stdlib_prompts import stdlib_coding_prompts
 from headway.train.data.vllm_decode import open_decoder
@@ -50,7 +50,8 @@ def settings_of(regen: RegenConfig) -> GenerationSettings:
     return GenerationSettings(max_new_tokens=regen.max_new_tokens, temperature=regen.temperature,
                               top_p=regen.top_p, sampled_fraction=regen.sampled_fraction,
                               batch_size=regen.batch_size, seed=regen.seed, backend=regen.backend,
-                              vllm_python=regen.vllm_python, weight_layout=regen.weight_layout)
+                              vllm_python=regen.vllm_python, weight_layout=regen.weight_layout,
+                              precision=regen.precision)
 
 
 def self_prompt_settings(regen: RegenConfig) -> SelfPromptSettings:
@@ -64,7 +65,7 @@ def default_dataset_path(regen: RegenConfig, prompts: list[dict]) -> Path:
     """Keyed by everything that changes the conversations (not batch size)."""
     skip = set(HOW_NOT_WHAT)
     key = {"prompts": [(p["id"], p["prompt"]) for p in prompts], "target": regen.target,
-           "settings": {k: v for k, v in asdict(settings_of(regen)).items() if k not in skip}}
+           "settings": content_settings(settings_of(regen))}
     if regen.self_prompts:  # key of a default set without self-written prompts unchanged
         key["self_prompts"] = {k: v for k, v in asdict(self_prompt_settings(regen)).items() if k not in skip}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
@@ -107,7 +108,8 @@ def build_default_dataset(regen: RegenConfig, prompts: list[dict], final: Path, 
     started = time.perf_counter()
     target, capture = generating_target(regen, device, capture)
     with open_decoder(settings_of(regen), target, [final] if not final.is_file() else []) as decoder, \
-            generation_layout(target, None if decoder else regen.weight_layout):  # the self-written prompts too
+            generating(target, None if decoder else regen.weight_layout,
+                       "fp32" if decoder else regen.precision):  # the self-written prompts too
         return _build(regen, prompts, final, partial, started, target, capture, decoder)
 
 

@@ -46,6 +46,9 @@ READABLE_FORMATS = (1, 2)
 SPEC_KEYS = ("name", "path", "gguf_file", "revision", "seed", "tiny")  # what identifies the target's weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # recompute vs cache, relative L2
+# states computed by a bf16 copy of an fp32 target (data generated with precision=bf16) against the fp32
+# recompute: SmolLM2-135M's final-normed last state differs by 1.8-2.3% relative L2 over 72-246 tokens
+COMPUTED_IN_TOL = {"bfloat16": 5e-2}
 
 
 class HiddenCacheError(DataError):
@@ -171,6 +174,7 @@ class CacheWriter:
         except OSError as exc:
             raise unwritable_cache(self.dir, exc) from None
         self.dtype, self.shard_tokens = dtype, shard_tokens
+        self.computed_in: str | None = None  # the dtype the states were computed in, when not the cache's
         fresh = {"format": CACHE_FORMAT, "target": target.spec.to_dict(), "num_layers": cfg.num_hidden_layers,
                  "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                  "layers": sorted(set(layers) | {cfg.num_hidden_layers}),
@@ -225,9 +229,11 @@ class CacheWriter:
             tensors[field] = torch.cat([rows[field] for _, _, rows in self.pending])
         with atomic_path(self.dir / name) as tmp:
             save_file(tensors, str(tmp), metadata={"keys": json.dumps([key for key, _, _ in self.pending])})
-        self.index["shards"].append({"file": name, "sha256": file_sha256(self.dir / name),
-                                     "bytes": (self.dir / name).stat().st_size, "entries": len(self.pending),
-                                     "tokens": int(lengths.sum())})
+        shard = {"file": name, "sha256": file_sha256(self.dir / name), "bytes": (self.dir / name).stat().st_size,
+                 "entries": len(self.pending), "tokens": int(lengths.sum())}
+        if self.computed_in:  # validation allows such shards the larger error of that precision
+            shard["computed_in"] = self.computed_in
+        self.index["shards"].append(shard)
         for row, (key, _, _) in enumerate(self.pending):
             self.entries[key] = (n, row)
             if "entries" in self.index:  # a format-1 cache keeps its index readable by format-1 code
@@ -496,29 +502,42 @@ class HiddenStateCache:
 
     def validate(self, target, samples: int = 4, seed: int = 0) -> float:
         """Recompute `samples` random entries with the target; -> the worst relative L2 error of their
-        hidden states and stored logits. Raises HiddenCacheError above the dtype's tolerance (wrong weights,
-        corrupted data)."""
+        hidden states and stored logits. Raises HiddenCacheError above an entry's tolerance (`tolerance`: wrong
+        weights, corrupted data)."""
         keys = random.Random(seed).sample(self.keys(), min(samples, len(self)))
         model = target.model
         device = next(model.parameters()).device
         with_logits = self.logits["mode"] != "none"
-        worst = {"hidden states": 0.0, "logits": 0.0}
+        worst = {"hidden states": 0.0, "logits": 0.0}  # error / tolerance, and the error itself
+        errors = {"hidden states": 0.0, "logits": 0.0}
+
+        def record(what: str, err: float, tol: float) -> None:
+            if err / tol > worst[what]:
+                worst[what], errors[what] = err / tol, err
+
         for key in keys:
             ids, cached = self.entry(key)
+            tol = self.tolerance(key)
             fresh = compute_features(model, ids.long()[None].to(device), None, self.layers, with_logits)
             for i in self.layers:
                 ref = fresh.hidden_states[i][0].float().cpu()
-                err = float((cached[i].float() - ref).norm() / ref.norm().clamp_min(1e-12))
-                worst["hidden states"] = max(worst["hidden states"], err)
+                record("hidden states", float((cached[i].float() - ref).norm() / ref.norm().clamp_min(1e-12)), tol)
             if with_logits:
-                worst["logits"] = max(worst["logits"], logits_error(self.logit_rows(key), fresh.logits[0].cpu()))
-        tol = REL_TOL[self.dtype]
-        for what, err in worst.items():
-            if err > tol:
+                record("logits", logits_error(self.logit_rows(key), fresh.logits[0].cpu()), tol)
+        for what, ratio in worst.items():
+            err = errors[what]
+            if ratio > 1:
+                tol = err / ratio
                 raise HiddenCacheError(f"{self.dir}: cached {what} differ from target {target.spec.name!r} "
                                        f"(relative error {err:.3g} > {tol:g}): the cache was built with other "
                                        f"weights or is corrupted; rebuild it")
-        return max(worst.values())
+        return max(errors.values())
+
+    def tolerance(self, key: str) -> float:
+        """The relative L2 error allowed for an entry: the cache dtype's, or that of the precision its shard
+        was computed in (a bf16 copy of the target generating the data) when larger."""
+        shard = self.index["shards"][self.entries[key][0]]
+        return max(REL_TOL[self.dtype], COMPUTED_IN_TOL.get(shard.get("computed_in"), 0.0))
 
 
 class OfflineFeatureSource:

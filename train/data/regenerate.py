@@ -41,10 +41,20 @@ class GenerationSettings:
     backend: str = "hf"  # hf (transformers, in this process) | vllm (its offline engine) | auto (vLLM where installed)
     vllm_python: Optional[str] = None  # backend=vllm: a python that has vLLM (null: this one)
     weight_layout: str = "auto"  # backend=hf: the target's weight layout while it generates (heads/kernels/)
+    precision: str = "fp32"  # backend=hf: fp32 | bf16 (a bf16 copy of the target generates: faster, other text)
 
 
 # settings that change speed, not the rows written (a weight layout only changes the order of fp32 sums)
 HOW_NOT_WHAT = ("batch_size", "backend", "vllm_python", "weight_layout")
+
+
+def content_settings(settings) -> dict:
+    """The settings that change the rows written (they key a dataset); fp32 precision, the default, is left
+    out so that keys from before the option existed still name the same data."""
+    out = {k: v for k, v in asdict(settings).items() if k not in HOW_NOT_WHAT}
+    if out.get("precision") == "fp32":
+        del out["precision"]
+    return out
 
 
 def prompt_rows(rows, fmt: str = "auto") -> tuple[list[dict], dict[str, int]]:
@@ -180,7 +190,7 @@ def regenerate(rows: list[dict], target, out_path: Path, settings: GenerationSet
     conversations written in that cache too (HF backend only: vLLM does not hand them out). decoder: a
     running VllmDecoder to reuse (else one is started when settings.backend resolves to vllm). Returns
     counts: {"written", "resumed", "unfinished_turns", "generated_tokens", "sampled", "captured", "backend"}."""
-    from headway.train.data.decode import generation_layout
+    from headway.train.data.decode import generating
     from headway.train.data.vllm_decode import open_decoder
 
     out_path = Path(out_path)
@@ -188,7 +198,8 @@ def regenerate(rows: list[dict], target, out_path: Path, settings: GenerationSet
     todo = [r for r in rows if r["id"] not in sink.done]
     try:
         with open_decoder(settings, target, todo, decoder) as decoder, \
-                generation_layout(target, None if decoder else settings.weight_layout):
+                generating(target, None if decoder else settings.weight_layout,
+                           "fp32" if decoder else settings.precision):
             return _regenerate(rows, todo, target, sink, settings, progress, None if decoder else capture, decoder)
     finally:
         sink.close()
@@ -199,7 +210,7 @@ def _regenerate(rows, todo, target, sink, settings, progress, capture, decoder) 
 
     session = CaptureSession(capture, target) if capture else None
     provenance = {"target": target.spec.name, "target_path": target.spec.path, "regen_version": REGEN_VERSION,
-                  **{k: v for k, v in asdict(settings).items() if k not in HOW_NOT_WHAT},
+                  **content_settings(settings),
                   "backend": "vllm" if decoder else "hf"}
     stats = {"written": 0, "resumed": len(rows) - len(todo), "unfinished_turns": 0, "generated_tokens": 0,
              "sampled": 0, "captured": 0, "backend": "vllm" if decoder else "hf"}
