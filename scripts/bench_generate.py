@@ -6,6 +6,7 @@ on the same prompts, settings and batch size, in one run; or the HF path under s
     python scripts/bench_generate.py --weight-layouts stock tiles    # the HF path, stock kernels vs AMX tiles
     python scripts/bench_generate.py --weight-layouts blocks:mkl blocks:onednn   # many-row GEMM: MKL vs oneDNN
     python scripts/bench_generate.py --weight-layouts auto bf16 auto bf16   # fp32 (this machine's layout) vs bf16
+    python scripts/bench_generate.py --stage prompts --weight-layouts bf16:hf-attention bf16   # writing prompts
 
 The prompts are the default dataset's written ones (the first --prompts), answered greedily up to
 --max-new-tokens. Each backend writes its rows to a temp folder through the same regenerate() the dataset
@@ -14,7 +15,10 @@ tokens/s per backend, then the ratio vLLM / HF as the last line (with --weight-l
 layout, the vLLM run skipped, and the last layout's tokens/s over the first's as the last line). A layout may
 name the library for the rows its kernel does not take (`blocks:mkl`, `blocks:onednn`; heads/kernels/gemm.py);
 without one, this machine's measured choice. `bf16` in place of a layout: the build's `precision=bf16` (a bf16 copy
-of the target generates, stock layout).
+of the target generates, stock layout); `bf16:hf-attention`: the same with transformers' own SDPA attention instead
+of the copy's (train/data/decode.py, sdpa_packed_at_decode). `--stage prompts` times the other stage of the default
+set's build instead: --prompts candidates of one category written by the target (its self_prompt_* settings:
+temperature 1, top-p 0.95, up to 96 tokens, rows of one shared prefix), one batch per --batch-size.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--stage", choices=("answers", "prompts"), default="answers",
+                   help="answers: the written prompts answered greedily; prompts: the target writing prompts "
+                        "(needs --weight-layouts)")
     p.add_argument("--vllm-python", help="a python that has vLLM (default: this one)")
     p.add_argument("--weight-layouts", nargs="+", metavar="LAYOUT",
                    help="compare the HF path under these weight layouts (heads.kernels.weight_layout) instead of vLLM; "
@@ -41,18 +48,41 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def same_responses(a: Path, b: Path) -> int:
+def responses(path: Path) -> dict[str, str]:
     import json
 
-    def responses(path):
-        return {r["id"]: r["response"] for r in map(json.loads, filter(str.strip, path.read_text().split("\n")))}
+    return {r["id"]: r["response"] for r in map(json.loads, filter(str.strip, path.read_text().split("\n")))}
 
+
+def same_responses(a: Path, b: Path) -> int:
     mine, theirs = responses(a), responses(b)
     return sum(mine[k] == theirs.get(k) for k in mine)
 
 
+def write_prompts(target, args, settings) -> tuple[int, dict[str, str]]:
+    """The default set's prompt-writing stage on --prompts candidates of one category, under `settings`' layout
+    and precision -> (tokens written, {candidate id: prompt})."""
+    from dataclasses import replace
+
+    from headway.train.data.config import RegenConfig
+    from headway.train.data.decode import generating
+    from headway.train.data.default_set import self_prompt_settings
+    from headway.train.data.regenerate import stop_token_ids
+    from headway.train.data.self_prompts import write_candidates
+
+    writing = replace(self_prompt_settings(RegenConfig()), batch_size=args.batch_size)
+    todo = [{"id": f"bench-{k:05d}", "category": "writing"} for k in range(args.prompts)]
+    tokens, texts = 0, {}
+    with generating(target, settings.weight_layout, settings.precision):
+        for rows, written in write_candidates(target, todo, writing, stop_token_ids(target.tokenizer)):
+            tokens += written
+            texts.update((r["id"], r["prompt"]) for r in rows)
+    return tokens, texts
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from headway.heads.kernels.allocator import keep_freed_memory
     from headway.heads.target import load_target, target_preset
     from headway.train.data.config import DataError
     from headway.train.data.default_set import default_prompts
@@ -65,17 +95,20 @@ def main(argv=None) -> int:
 
         for entry in args.weight_layouts:
             layout, _, gemm = entry.partition(":")
-            if layout == BF16 and not gemm:
+            if entry in BF16_ENTRIES:
                 continue
             if layout not in LAYOUTS:
                 bad_input(f"--weight-layouts {entry}: use one of {', '.join(LAYOUTS)}")
             if gemm and gemm not in BACKENDS:
                 bad_input(f"--weight-layouts {entry}: the GEMM after ':' must be one of {', '.join(BACKENDS)}")
+    elif args.stage == "prompts":
+        bad_input("--stage prompts compares --weight-layouts (the vLLM comparison answers prompts)")
     else:
         try:
             resolve_backend("vllm", args.vllm_python)
         except DataError as exc:
             sys.exit(f"error: {exc}")
+    keep_freed_memory()  # as the data build does (scripts/prepare_data.py, the training job)
     target = load_target(target_preset(args.target))
     rows, _ = prompt_rows(default_prompts(args.prompts))
     if args.weight_layouts:
@@ -103,6 +136,7 @@ def main(argv=None) -> int:
 
 
 BF16 = "bf16"  # a --weight-layouts entry: generation precision bf16 instead of a layout
+BF16_ENTRIES = (BF16, "bf16:hf-attention")  # ... and with transformers' own attention
 
 
 def bad_input(message: str) -> None:
@@ -117,11 +151,12 @@ def compare_layouts(args, target, rows) -> int:
 
     from headway.heads.kernels.gemm import forced_backend
     from headway.heads.kernels.weight_layout import apply_layout, candidates
+    from headway.train.data import decode as decode_module
     from headway.train.data.regenerate import GenerationSettings, regenerate
 
     for entry in args.weight_layouts:  # every layout checked before any generation runs
         layout, _, gemm = entry.partition(":")
-        if entry == BF16:
+        if entry in BF16_ENTRIES:
             continue
         try:
             if layout not in ("auto",) + candidates(target.model):
@@ -130,23 +165,34 @@ def compare_layouts(args, target, rows) -> int:
                 pass
         except ValueError as exc:  # why this target or machine cannot run it
             bad_input(f"--weight-layouts {entry}: {exc}")
-    rates = []
+    rates, first = [], None
     with tempfile.TemporaryDirectory() as tmp:
         for i, entry in enumerate(args.weight_layouts):  # a layout named twice runs twice (noise)
             layout, _, gemm = entry.partition(":")
-            bf16 = entry == BF16
+            bf16 = entry in BF16_ENTRIES
             settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                           weight_layout="stock" if bf16 else layout,
                                           precision="bf16" if bf16 else "fp32")
+            decode_module.GROUPED_DECODE_ATTENTION = entry != "bf16:hf-attention"
             started = time.perf_counter()
-            with forced_backend(gemm) if gemm else nullcontext():
-                stats = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)
+            with forced_backend(gemm) if gemm and not bf16 else nullcontext():
+                if args.stage == "prompts":
+                    tokens, texts = write_prompts(target, args, settings)
+                else:
+                    tokens = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)["generated_tokens"]
+                    texts = responses(Path(tmp) / f"{i}.jsonl")
             seconds = time.perf_counter() - started
-            rates.append(stats["generated_tokens"] / seconds)
-            same = same_responses(Path(tmp) / "0.jsonl", Path(tmp) / f"{i}.jsonl")
-            print(f"{entry}: {stats['generated_tokens']} tokens in {seconds:.1f} s = {rates[-1]:.1f} tok/s "
-                  f"(greedy responses identical to {args.weight_layouts[0]}'s: {same} of {len(rows)})", flush=True)
-    print(f"{len(rows)} prompts, batch {args.batch_size}, up to {args.max_new_tokens} new tokens, greedy")
+            rates.append(tokens / seconds)
+            first = texts if first is None else first
+            same = sum(first[k] == texts.get(k) for k in first)
+            what = "prompts written" if args.stage == "prompts" else "greedy responses"
+            print(f"{entry}: {tokens} tokens in {seconds:.1f} s = {rates[-1]:.1f} tok/s "
+                  f"({what} identical to {args.weight_layouts[0]}'s: {same} of {len(first)})", flush=True)
+    decode_module.GROUPED_DECODE_ATTENTION = True
+    if args.stage == "prompts":
+        print(f"{args.prompts} prompts written, batch {args.batch_size}, up to 96 tokens, temperature 1, top-p 0.95")
+    else:
+        print(f"{len(rows)} prompts, batch {args.batch_size}, up to {args.max_new_tokens} new tokens, greedy")
     print(f"{args.weight_layouts[-1]} / {args.weight_layouts[0]} tokens/s: {rates[-1] / rates[0]:.2f}x")  # last vs first
     return 0
 

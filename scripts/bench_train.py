@@ -313,7 +313,7 @@ def precision(target, args) -> None:
 
 def job_autocast(args) -> torch.dtype | None:
     """The autocast dtype the default job's precision=auto picks on this device (None: fp32)."""
-    from headway.train.loop import cpu_multiplies_bf16
+    from headway.heads.kernels.machine_choice import cpu_multiplies_bf16
 
     return torch.bfloat16 if args.device != "cpu" or cpu_multiplies_bf16() else None
 

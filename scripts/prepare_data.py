@@ -21,7 +21,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +31,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from headway.heads.kernels.allocator import keep_freed_memory
 from headway.heads.target import TargetError, TargetSpec, load_target
 from headway.train.data.config import DataConfig, DataError, RegenConfig
 from headway.train.data.regenerate import GenerationSettings, prompt_rows, regenerate
@@ -77,7 +78,7 @@ def prepare(cfg: PrepareConfig) -> dict:
     g = cfg.generation
     if g.max_new_tokens < 1 or g.batch_size < 1:
         raise DataError("generation.max_new_tokens and generation.batch_size must be >= 1")
-    from headway.train.data.decode import check_precision
+    from headway.train.data.decode import check_precision, resolve_precision
     from headway.train.data.vllm_decode import resolve_backend
 
     regen_cfg = cfg.default_set.regen
@@ -87,6 +88,9 @@ def prepare(cfg: PrepareConfig) -> dict:
     resolve_backend(regen_cfg.backend, regen_cfg.vllm_python)
     device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else \
         ("cpu" if cfg.device == "auto" else cfg.device)
+    if device == "cpu":  # decoding allocates the same large tensors every step (heads/kernels/allocator.py)
+        keep_freed_memory()
+    g = replace(g, precision=resolve_precision(g.precision, device))  # rows record what wrote them
     started = time.perf_counter()
     if cfg.input == "builtin:default" and not cfg.output:  # exactly what data=default builds on first use
         from headway.train.data.default_set import ensure_default_dataset, report_path

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from headway.heads.base import DraftHead, build_head, simulated_tau
 from headway.heads.kernels.allocator import keep_freed_memory
+from headway.heads.kernels.machine_choice import cpu_multiplies_bf16
 from headway.heads.target import load_target
 from headway.train.checkpoints import load_checkpoint, resume_point, run_identity, save_checkpoint, save_head_folder
 from headway.train.config import ConfigError, TrainingError, check_config, check_fits_context
@@ -65,9 +66,9 @@ def train(cfg: DictConfig) -> Path:
     t = cfg.train
     accelerator = make_accelerator(cfg)
     run_dir = shared_run_dir(accelerator, cfg.output_dir)
+    if accelerator.device.type == "cpu":  # data generation, the cache pass and the steps: the same large tensors
+        log.info(f"freed memory kept for reuse: {keep_freed_memory()}")  # allocated again and again
     job = setup(cfg, accelerator)
-    if accelerator.device.type == "cpu":  # from here on the steps allocate the same large tensors every time
-        log.info(f"freed memory kept for reuse by the training steps: {keep_freed_memory()}")
     state, resumed = restore(cfg, accelerator, run_dir, job.identity)
     metrics = MetricsLog(accelerator, run_dir, cfg, resumed_step=state["step"])  # drops rows after it
 
@@ -124,12 +125,6 @@ def auto_precision(on_gpu: bool, deepspeed: bool) -> str:
     if on_gpu:
         return "bf16"
     return "bf16" if cpu_multiplies_bf16() and not deepspeed else "no"
-
-
-def cpu_multiplies_bf16() -> bool:
-    """The CPU has AMX tiles or AVX512-BF16 dot products (bf16 in hardware, not emulated)."""
-    return any(getattr(torch.cpu, probe, lambda: False)()
-               for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
 
 
 def make_accelerator(cfg: DictConfig) -> Accelerator:

@@ -18,8 +18,16 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from headway.heads.files import write_json_atomic
 from headway.heads.kernels.quiet import measure_until_quiet
+
+
+def cpu_multiplies_bf16() -> bool:
+    """The CPU has AMX tiles or AVX512-BF16 dot products (bf16 in hardware, not emulated)."""
+    return any(getattr(torch.cpu, probe, lambda: False)()
+               for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
 
 
 def cpu_name() -> str:

@@ -124,3 +124,30 @@ def test_growing_cache_layer_holds_what_dynamic_cache_holds():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     both("batch_repeat_interleave", 3)
     assert torch.equal(mine.keys, reference.keys) and mine.get_seq_length() == 5 + GROWTH + 10
+
+
+def test_bf16_copy_groups_query_heads_at_decode_and_masks_left_pads(target, prompts, monkeypatch):
+    """On a CPU the bf16 copy runs its own SDPA attention (query heads grouped per key head at a decode step);
+    it still masks left pads, and decode() on it gives HF generate's greedy tokens on the same copy and
+    left-padded batch, rows with and without a mask alike."""
+    from headway.train.data.decode import PACKED_SDPA, bf16_copy
+
+    twin = bf16_copy(target.model)
+    assert twin.config._attn_implementation == PACKED_SDPA and target.model.config._attn_implementation == "sdpa"
+    stop, pad = frequent_stop(target, prompts), target.tokenizer.pad_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width) >= width - torch.tensor([len(p) for p in prompts])[:, None]).long()
+    with torch.no_grad():  # a left-padded row reads as the row alone (bf16's rounding apart), pads unattended
+        padded = twin(ids, attention_mask=mask).logits[0, -1].float()
+        alone = twin(torch.tensor([prompts[0]])).logits[0, -1].float()
+        pads_attended = twin(ids, attention_mask=torch.ones_like(mask)).logits[0, -1].float()
+    assert (padded - alone).abs().max() < 0.25 * (pads_attended - alone).abs().max()
+
+    monkeypatch.setattr(decode_module, "COMPACT_AT", 1.0)  # rows stay in the batch, as in generate
+    for batch, batch_mask in ((ids, mask), (ids[-1:].expand(3, -1), mask[-1:].expand(3, -1))):
+        mine = decode(twin, [prompts[-1]] * 3 if len(batch) == 3 else prompts, MAX_NEW, stop, pad).tokens
+        out = twin.generate(batch, attention_mask=batch_mask, max_new_tokens=MAX_NEW, do_sample=False,
+                            eos_token_id=stop, pad_token_id=pad)[:, width:]
+        for row, theirs in zip(mine, out.tolist()):
+            assert row == theirs[:len(row)]

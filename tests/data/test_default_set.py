@@ -17,7 +17,8 @@ from headway.train.data.self_prompts import CATEGORIES, select_prompts, user_tur
 
 LAYERS = [2, 4]  # an eagle3-like head on the tiny target (4 layers): aux layer 2 and the last one
 REGEN = dict(target="tiny-random", target_name="tiny-random", num_prompts=10, max_new_tokens=8, batch_size=5,
-             temperature=0.8, sampled_fraction=0.5, self_prompts=1, self_prompt_max_new_tokens=4)
+             temperature=0.8, sampled_fraction=0.5, self_prompts=1, self_prompt_max_new_tokens=4,
+             precision="fp32")  # fp32 on every CI machine (auto, the default, takes bf16 where the CPU has it)
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +170,29 @@ def test_a_bf16_build_fills_the_cache_and_marks_what_it_computed(target, tmp_pat
 
 def test_an_unknown_generation_precision_is_one_clear_error(target, tmp_path, monkeypatch):
     monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(DataError, match="precision=fp16: use one of fp32, bf16"):
+    with pytest.raises(DataError, match="precision=fp16: use one of auto, fp32, bf16"):
         build_datasets(default_cfg(tmp_path, precision="fp16"), target.tokenizer, 96)
     assert not list((tmp_path / "cache" / "data").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("hardware_bf16", [True, False])
+def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_it_and_keys_what_it_resolved_to(
+        target, tmp_path, monkeypatch, hardware_bf16):
+    """regen.precision=auto writes with a bf16 copy on a CPU with bf16 instructions and with the fp32 target
+    elsewhere; the dataset it builds is the one that precision names (same key, same file)."""
+    from headway.heads.kernels import machine_choice
+    from headway.train.data.decode import resolve_precision
+    from headway.train.data.default_set import default_dataset_path, default_prompts, ensure_default_dataset
+
+    monkeypatch.setattr(machine_choice, "cpu_multiplies_bf16", lambda: hardware_bf16)
+    resolved = "bf16" if hardware_bf16 else "fp32"
+    assert resolve_precision("auto", "cpu") == resolved
+    assert resolve_precision("fp32", "cpu") == "fp32" and resolve_precision("bf16", "cpu") == "bf16"
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    regen = RegenConfig(**{**REGEN, "precision": "auto", "self_prompts": 0})
+    built = ensure_default_dataset(regen, "cpu")
+    want = default_dataset_path(RegenConfig(**{**REGEN, "precision": resolved, "self_prompts": 0}),
+                                default_prompts(REGEN["num_prompts"]))
+    assert built == want and built.is_file()
+    rows = [json.loads(line) for line in built.read_text().splitlines()]
+    assert {r["provenance"].get("precision", "fp32") for r in rows} == {resolved}  # fp32: the key as before

@@ -78,8 +78,20 @@ def test_top_p_on_candidates_equals_the_full_sort(scale, top_p):
     probs = logits.softmax(-1)
     full = sampling._top_p_sorted(logits.view(-1, 4096), probs.view(-1, 4096), top_p).view(probs.shape)
     assert torch.equal(warp_probs(logits, 1.0, top_p=top_p), full)
-    _, decided = sampling._top_p_candidates(probs.view(-1, 4096), top_p, sampling._TOP_P_CANDIDATES)
+    _, decided = sampling._top_p_candidates(probs.view(-1, 4096), top_p, sampling._TOP_P_CANDIDATES[0])
     assert bool(decided.all()) == (scale >= 3.0 and top_p < 0.99)  # both paths are exercised
+
+
+def test_top_p_on_more_candidates_equals_the_full_sort():
+    """Flat rows, whose nucleus reaches past the first 512 tokens, are decided on 4,096 candidates,
+    still exactly as the full sort decides them (ties included)."""
+    torch.manual_seed(1)
+    logits = (torch.randn(24, 20000) * torch.linspace(0.5, 3.0, 24)[:, None]).round(decimals=1)
+    probs = logits.softmax(-1)
+    full = sampling._top_p_sorted(logits, probs, 0.9)
+    assert torch.equal(warp_probs(logits, 1.0, top_p=0.9), full)
+    first, second = (sampling._top_p_candidates(probs, 0.9, k)[1] for k in sampling._TOP_P_CANDIDATES[:2])
+    assert bool((second & ~first).any()) and bool(first.any()) and not bool(second.all())  # all three paths
 
 
 def test_order_is_temperature_then_top_k_then_top_p():

@@ -183,6 +183,20 @@ def test_bench_generate_compares_weight_layouts(script, capsys):
     assert lines[2].startswith("bf16: ") and lines[-1].startswith("bf16 / stock tokens/s: ")
 
 
+def test_bench_generate_times_the_prompt_writing_stage(script, capsys):
+    """--stage prompts: the target writes candidates (sampled, so bf16 and fp32 write other text); the same
+    entry twice writes the same prompts (seeded); HF's own attention is back in place after."""
+    from headway.train.data import decode as decode_module
+
+    lines = run(script("bench_generate"), ["--target", "tiny-random", "--prompts", "3", "--batch-size", "2",
+                                           "--stage", "prompts", "--weight-layouts", "stock", "bf16:hf-attention",
+                                           "bf16", "stock"], capsys)
+    assert lines[1].startswith("bf16:hf-attention: ") and lines[2].startswith("bf16: ")
+    assert lines[3].startswith("stock: ") and "prompts written identical to stock's: 3 of 3)" in lines[3]
+    assert lines[-2].startswith("3 prompts written") and lines[-1].startswith("stock / stock tokens/s: ")
+    assert decode_module.GROUPED_DECODE_ATTENTION
+
+
 @pytest.mark.parametrize("layout,why", [("tiles", "tiles: weight_layout=tiles needs a target"),
                                         ("nosuch", "nosuch: use one of auto, stock"),
                                         ("stock:blas", "stock:blas: the GEMM after ':' must be one of mkl, onednn")])

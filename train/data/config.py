@@ -27,7 +27,7 @@ class RegenConfig:
     backend: str = "hf"  # hf | vllm | auto (vLLM's offline engine where installed): speed only, same key
     vllm_python: Optional[str] = None  # backend=vllm: a python that has vLLM (null: this one)
     weight_layout: str = "auto"  # backend=hf: the target's weight layout while it generates: speed only, same key
-    precision: str = "fp32"  # backend=hf: fp32 | bf16 (a bf16 copy of the target writes the data: faster, other text)
+    precision: str = "auto"  # backend=hf: auto (bf16 where multiplied in hardware, else fp32) | fp32 | bf16 (a bf16 copy writes)
     self_prompts: int = 0  # prompts the target writes itself, per category (train/data/self_prompts.py)
     self_prompt_oversample: float = 1.5  # candidates written per prompt kept (filters drop the rest)
     self_prompt_max_new_tokens: int = 64

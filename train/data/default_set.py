@@ -19,13 +19,13 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from headway.heads.files import swap_in, write_json_atomic, write_text_atomic
 from headway.heads.target import cache_root
 from headway.train.data.config import DataError, RegenConfig
-from headway.train.data.decode import generating
+from headway.train.data.decode import generating, resolve_precision
 from headway.train.data.regenerate import (HOW_NOT_WHAT, GenerationSettings, JsonlSink, ProgressBar, content_settings,
                                            done_ids, prompt_rows, regenerate, stop_token_ids, unwritable)
 from headway.train.data.self_prompts import SelfPromptSettings, candidate_rows, select_prompts, write_candidates
@@ -75,6 +75,7 @@ def default_dataset_path(regen: RegenConfig, prompts: list[dict]) -> Path:
 def ensure_default_dataset(regen: RegenConfig, device: str = "cpu", capture=None) -> Path:
     """Path of the complete default dataset, generating it with the target first if needed.
     capture: a train.data.capture.FeatureCapture (its target is used when it is the generating one)."""
+    regen = replace(regen, precision=resolve_precision(regen.precision, device))  # it keys the data
     prompts = default_prompts(regen.num_prompts)
     final = default_dataset_path(regen, prompts)
     if final.is_file():

@@ -41,7 +41,7 @@ class GenerationSettings:
     backend: str = "hf"  # hf (transformers, in this process) | vllm (its offline engine) | auto (vLLM where installed)
     vllm_python: Optional[str] = None  # backend=vllm: a python that has vLLM (null: this one)
     weight_layout: str = "auto"  # backend=hf: the target's weight layout while it generates (heads/kernels/)
-    precision: str = "fp32"  # backend=hf: fp32 | bf16 (a bf16 copy of the target generates: faster, other text)
+    precision: str = "fp32"  # backend=hf: fp32 | bf16 (a bf16 copy of the target generates: faster, other text) | auto
 
 
 # settings that change speed, not the rows written (a weight layout only changes the order of fp32 sums)
