@@ -160,9 +160,9 @@ def sdpa_packed_at_decode(module, query: Tensor, key: Tensor, value: Tensor, att
 
     At one query token HF groups the H query heads [B, H, 1, D] as [B, Hkv, H/Hkv, D] when a mask is given
     (left-padded rows), and hands SDPA the ungrouped heads with enable_gqa when none is (rows of one length:
-    the self-written prompts' shared prefix). PyTorch's bf16 SDPA on a CPU runs the second form 2.5-5x
-    slower than the first (batch 128, 64-300 cached tokens); grouping always made that stage's decoding
-    ~1.6x as fast on SmolLM2-135M."""
+    the self-written prompts' shared prefix). PyTorch's bf16 SDPA on a CPU runs the second form several
+    times slower than the first (batch 128, 64-300 cached tokens); grouping always made that stage 1.3-1.5x
+    as fast on SmolLM2-135M (docs/data-generation.md)."""
     groups = query.shape[1] // key.shape[1]
     if query.shape[2] != 1 or groups == 1 or kwargs.get("dropout"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
