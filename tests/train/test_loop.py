@@ -52,16 +52,16 @@ def test_smoke_run_leaves_a_loadable_head_and_validation_metrics(head, tmp_path)
     assert not list((run_dir / "checkpoints").glob(".tmp*"))
 
 
-def test_cpu_training_keeps_freed_memory_once_the_data_is_built(tmp_path, monkeypatch):
-    """The training steps run with glibc's malloc keeping freed blocks (heads.kernels.allocator): switched on
-    once per job on a CPU, after the data and hidden-state cache are built (where it measured no gain)."""
+def test_cpu_training_keeps_freed_memory_from_the_data_build_on(tmp_path, monkeypatch):
+    """A job on a CPU runs with glibc's malloc keeping freed blocks (heads.kernels.allocator): switched on once,
+    before the data and hidden-state cache are built (generation reallocates its logits every step too)."""
     import headway.train.loop as loop
 
     calls, real_setup = [], loop.setup
     monkeypatch.setattr(loop, "setup", lambda *a: (real_setup(*a), calls.append("data built"))[0])
     monkeypatch.setattr(loop, "keep_freed_memory", lambda: calls.append("kept") or True)
     train(compose_train("head=medusa", "experiment=smoke", run_dir=tmp_path))
-    assert calls == ["data built", "kept"]
+    assert calls == ["kept", "data built"]
 
 
 @pytest.mark.parametrize("optimizer, lr", [("muon", "1e-2"), ("adamw", "3e-3")])  # Muon learns a tiny target slower
