@@ -166,29 +166,32 @@ def compare_layouts(args, target, rows) -> int:
         except ValueError as exc:  # why this target or machine cannot run it
             bad_input(f"--weight-layouts {entry}: {exc}")
     rates, first = [], None
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, entry in enumerate(args.weight_layouts):  # a layout named twice runs twice (noise)
-            layout, _, gemm = entry.partition(":")
-            bf16 = entry in BF16_ENTRIES
-            settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                          weight_layout="stock" if bf16 else layout,
-                                          precision="bf16" if bf16 else "fp32")
-            decode_module.GROUPED_DECODE_ATTENTION = entry != "bf16:hf-attention"
-            started = time.perf_counter()
-            with forced_backend(gemm) if gemm and not bf16 else nullcontext():
-                if args.stage == "prompts":
-                    tokens, texts = write_prompts(target, args, settings)
-                else:
-                    tokens = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)["generated_tokens"]
-                    texts = responses(Path(tmp) / f"{i}.jsonl")
-            seconds = time.perf_counter() - started
-            rates.append(tokens / seconds)
-            first = texts if first is None else first
-            same = sum(first[k] == texts.get(k) for k in first)
-            what = "prompts written" if args.stage == "prompts" else "greedy responses"
-            print(f"{entry}: {tokens} tokens in {seconds:.1f} s = {rates[-1]:.1f} tok/s "
-                  f"({what} identical to {args.weight_layouts[0]}'s: {same} of {len(first)})", flush=True)
-    decode_module.GROUPED_DECODE_ATTENTION = True
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, entry in enumerate(args.weight_layouts):  # a layout named twice runs twice (noise)
+                layout, _, gemm = entry.partition(":")
+                bf16 = entry in BF16_ENTRIES
+                settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                              weight_layout="stock" if bf16 else layout,
+                                              precision="bf16" if bf16 else "fp32")
+                decode_module.GROUPED_DECODE_ATTENTION = entry != "bf16:hf-attention"
+                started = time.perf_counter()
+                with forced_backend(gemm) if gemm and not bf16 else nullcontext():
+                    if args.stage == "prompts":
+                        tokens, texts = write_prompts(target, args, settings)
+                    else:
+                        stats = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)
+                        tokens = stats["generated_tokens"]
+                        texts = responses(Path(tmp) / f"{i}.jsonl")
+                seconds = time.perf_counter() - started
+                rates.append(tokens / seconds)
+                first = texts if first is None else first
+                same = sum(first[k] == texts.get(k) for k in first)
+                what = "prompts written" if args.stage == "prompts" else "greedy responses"
+                print(f"{entry}: {tokens} tokens in {seconds:.1f} s = {rates[-1]:.1f} tok/s "
+                      f"({what} identical to {args.weight_layouts[0]}'s: {same} of {len(first)})", flush=True)
+    finally:
+        decode_module.GROUPED_DECODE_ATTENTION = True  # the copy's own attention again, whatever happened
     if args.stage == "prompts":
         print(f"{args.prompts} prompts written, batch {args.batch_size}, up to 96 tokens, temperature 1, top-p 0.95")
     else:
