@@ -35,7 +35,9 @@ One decoding step (gpt-fast style, everything vectorised over the batch):
                   -> warp -> verify_tree -> cache.compact(accepted path) -> drafter.commit(accepted
                   tokens + the target's hidden states at the accepted nodes)
 Stats: tau = tokens emitted per target verification forward (bonus included, micro-averaged over all
-row-steps), acceptance_by_depth = P(depth d accepted | depth d-1 accepted), target forwards, tokens/s.
+row-steps), acceptance_by_depth = P(depth d accepted | depth d-1 accepted), target forwards, tokens/s,
+and where the steps' time went (stats.step_ms(): a plain step; a speculative one as drafting, the tree's
+forward and accepting).
 The tree size comes from `drafter.plan(budget, B, target_params)`: `TreeBudget` (batch-size throttle + the
 measured latency curve T(N), see infer/calibrate.py) caps it, and a head's default policy (AutoTree) picks
 the tree with the most expected tokens per unit time; a plan of one node (no drafts) decodes plainly.
@@ -79,6 +81,14 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     drafting_stopped_at: int | None = None  # the step after which drafting stopped paying (infer.payoff)
+    # where the decoding time went (seconds, summed over steps): plain steps, and speculative steps split into
+    # drafting (the tree and its mask), the target's forward over the tree, and accepting (verify, cache, commit)
+    plain_steps: int = 0
+    plain_s: float = 0.0
+    speculative_steps: int = 0
+    draft_s: float = 0.0
+    tree_forward_s: float = 0.0
+    accept_s: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -92,6 +102,16 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         """New tokens over the whole generate() wall time (prefill included)."""
         return self.new_tokens / max(self.prefill_s + self.decode_s, 1e-9)
+
+    def step_ms(self) -> dict:
+        """Mean milliseconds per step: plain, and a speculative step by phase (None where there was none)."""
+        def mean(total, n):
+            return 1000 * total / n if n else None
+        n = self.speculative_steps
+        return {"plain": mean(self.plain_s, self.plain_steps),
+                "speculative": mean(self.draft_s + self.tree_forward_s + self.accept_s, n),
+                "drafting": mean(self.draft_s, n), "tree_forward": mean(self.tree_forward_s, n),
+                "accepting": mean(self.accept_s, n)}
 
     def to_dict(self) -> dict:
         return dict(asdict(self), tau=self.tau, acceptance_by_depth=self.acceptance_by_depth,
@@ -307,7 +327,10 @@ class _Run:
         t1 = time.perf_counter()
         while not bool(self.done.all()):
             if self.drafter is None:
+                start = time.perf_counter()
                 root = self.plain_step(root)
+                self.stats.plain_steps += 1
+                self.stats.plain_s += time.perf_counter() - start
                 continue
             start = time.perf_counter()
             root = self.speculative_step(root)
@@ -360,11 +383,14 @@ class _Run:
         start = self.cache.lengths
         pos = start[:, None] + depth  # [B, N]
         began = time.perf_counter()
+        self.stats.draft_s += began - drafting
         plan, out = self.e.forward(self.cache, tokens.clamp(min=0), torch.full((self.B,), n), anc, pos, 0,
                                    hidden=bool(self.layers))
         if self.guard is not None and self.e.device.type == "cuda":
             torch.cuda.synchronize(self.e.device)  # the forward's time, not its launch's (the guard compares them)
         self.forward_s = time.perf_counter() - began
+        self.stats.tree_forward_s += self.forward_s
+        accepting = time.perf_counter()
         logits = out.logits.float()  # [B, N, V]
         dev = logits.device  # verify where the logits are; the cache's bookkeeping stays on the host
         if self.greedy:
@@ -383,7 +409,10 @@ class _Run:
         positions = plan.start[:, None] + torch.arange(path.shape[1])
         self.drafter.commit(new.clamp(min=0), self.features(out, path), positions, num)
         self.emit(new, num)
-        self.time_draft_level(time.perf_counter() - drafting - self.forward_s, int(depth.max()), n)
+        done = time.perf_counter()
+        self.stats.accept_s += done - accepting
+        self.stats.speculative_steps += 1
+        self.time_draft_level(done - drafting - self.forward_s, int(depth.max()), n)
         return new.gather(1, (num - 1)[:, None])[:, 0]
 
     # ------------------------------------------------------------------------------ the draft's cost

@@ -15,8 +15,12 @@ It prints a table and writes OUTPUT/eval.json:
      "speedup_vs_vanilla", "speedup_vs_hf_generate",
      "greedy_match"}                 temperature 0: fraction of prompts identical to plain decoding
                                      (null at temperature > 0, where outputs differ by design)
-     "draft", "weight_layout"}       the tree the drafter planned; the engine's weight layout
+     "draft", "weight_layout",       the tree the drafter planned; the engine's weight layout
                                      (heads.kernels.weight_layout; HF generate() always runs the stock one)
+     "step_ms": {"plain", "speculative", "drafting", "tree_forward", "accepting"}}
+                                     mean ms per step: the plain engine's, and a speculative step split
+                                     into drafting, the target's forward over the tree, and accepting
+                                     (verify, cache, commit); why speedup_vs_vanilla is what it is
 
 and OUTPUT/eval.png (acceptance by depth, tau by category). A baseline left out of `baselines` gets null.
 Bad input (a checkpoint for another target, a corrupted or missing safetensors file, an empty, malformed or
@@ -197,6 +201,8 @@ class Tally:
     tokens: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     prompts: int = 0
+    step_seconds: dict[str, float] = field(default_factory=dict)  # a step's phases, summed over steps
+    step_counts: dict[str, int] = field(default_factory=dict)  # plain / speculative steps timed
 
     def add_steps(self, stats) -> None:
         self.emitted += stats.emitted
@@ -206,6 +212,27 @@ class Tally:
             mine.extend([0] * (len(theirs) - len(mine)))
             for d, n in enumerate(theirs):
                 mine[d] += n
+        self._add_phases(stats.speculative_steps, drafting=stats.draft_s, tree_forward=stats.tree_forward_s,
+                         accepting=stats.accept_s)
+
+    def add_plain_steps(self, stats) -> None:
+        """The plain engine's steps: what a speculative step is compared with."""
+        self._add_phases(stats.plain_steps, plain=stats.plain_s)
+
+    def _add_phases(self, steps: int, **seconds: float) -> None:
+        kind = "plain" if "plain" in seconds else "speculative"
+        self.step_counts[kind] = self.step_counts.get(kind, 0) + steps
+        for name, sec in seconds.items():
+            self.step_seconds[name] = self.step_seconds.get(name, 0.0) + sec
+
+    def step_ms(self) -> dict:
+        """Mean ms per step: plain, and a speculative step with its phases (None where none was timed)."""
+        def per_step(name: str, kind: str):
+            n = self.step_counts.get(kind, 0)
+            return 1000 * self.step_seconds.get(name, 0.0) / n if n else None
+        phases = {name: per_step(name, "speculative") for name in ("drafting", "tree_forward", "accepting")}
+        total = sum(phases.values()) if None not in phases.values() else None
+        return {"plain": per_step("plain", "plain"), "speculative": total, **phases}
 
     def add_time(self, method: str, tokens: int, seconds: float) -> None:
         self.tokens[method] = self.tokens.get(method, 0) + tokens
@@ -242,6 +269,7 @@ def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]],
         if "vanilla" in cfg.baselines or is_greedy(cfg.temperature):
             p = plain.generate([ids], **sampling, seed=cfg.seed + i)
             matches += int(p.tokens[0] == s.tokens[0])
+            total.add_plain_steps(p.stats)
             total.add_time("vanilla", p.stats.new_tokens, p.stats.prefill_s + p.stats.decode_s)
         if "hf_generate" in cfg.baselines:
             h = hf_generate(target.model, [ids], hf_cfg, seed=cfg.seed + i)
@@ -271,6 +299,7 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "greedy_match": matches / total.prompts if is_greedy(cfg.temperature) else None,
         "draft": draft or {},  # the drafter and, for planned trees, the size and the speedup it predicted
         "weight_layout": current_layout(target.model),  # the engines' (HF generate() runs the stock one)
+        "step_ms": total.step_ms(),
     }
 
 
@@ -293,6 +322,17 @@ def print_report(res: dict, out=print) -> None:
         out(f"greedy match with plain decoding: {res['greedy_match']:.3f}")
     if res.get("draft"):
         out("draft: " + ", ".join(f"{k} {v}" for k, v in res["draft"].items()))
+    if res.get("step_ms", {}).get("speculative") is not None:
+        out(step_line(res["step_ms"]))
+
+
+def step_line(ms: dict) -> str:
+    """'a speculative step: 20.7 ms = drafting 2.6 + tree forward 17.4 + accepting 0.7 (1.95 plain steps of 10.6 ms)'"""
+    line = (f"a speculative step: {ms['speculative']:.1f} ms = drafting {ms['drafting']:.1f} + tree forward "
+            f"{ms['tree_forward']:.1f} + accepting {ms['accepting']:.1f}")
+    if ms.get("plain"):
+        line += f" ({ms['speculative'] / ms['plain']:.2f} plain steps of {ms['plain']:.1f} ms)"
+    return line
 
 
 def _num(v, spec: str) -> str:

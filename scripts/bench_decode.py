@@ -32,6 +32,7 @@ import torch
 
 from headway.infer.calibrate import calibrate_latency
 from headway.infer.engine import Engine
+from headway.infer.evaluate import Tally, step_line
 from headway.infer.hf_generate import generation_config, hf_generate
 from headway.heads.kernels.weight_layout import LAYOUTS, apply_layout
 
@@ -137,6 +138,7 @@ def measure(args, methods, prompts, temperature) -> list[dict]:
     seconds = {m: 0.0 for m in methods}
     emitted, steps = {m: 0 for m in methods}, {m: 0 for m in methods}
     same, stopped = {m: 0 for m in methods}, {m: 0 for m in methods}
+    phases = {m: Tally() for m in methods}  # where each engine's steps spent their time
     for i, (_, ids) in enumerate(prompts):
         outs = {}
         for name, run in methods.items():
@@ -147,6 +149,8 @@ def measure(args, methods, prompts, temperature) -> list[dict]:
                 emitted[name] += stats.emitted
                 steps[name] += stats.row_steps
                 stopped[name] += stats.drafting_stopped_at is not None
+                phases[name].add_steps(stats)
+                phases[name].add_plain_steps(stats)
         for name, out in outs.items():
             same[name] += int(out == outs["headway_plain"])
     hf_tps = tokens["hf_generate"] / seconds["hf_generate"]
@@ -158,6 +162,11 @@ def measure(args, methods, prompts, temperature) -> list[dict]:
                      "vs hf_generate": tps / hf_tps,
                      "same as plain": f"{same[name]}/{len(prompts)}" if temperature == 0 else None,
                      "drafting stopped": f"{stopped[name]}/{len(prompts)}" if steps[name] else None})
+    plain_ms = phases["headway_plain"].step_ms()["plain"]
+    for name, tally in phases.items():
+        ms = tally.step_ms()
+        if ms["speculative"] is not None:  # compared with the plain engine's step in this run
+            print(f"temperature {temperature:g}, {name}: " + step_line(dict(ms, plain=plain_ms)))
     return rows
 
 

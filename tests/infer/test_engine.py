@@ -31,6 +31,9 @@ def test_plain_greedy_equals_hf_generate_for_a_ragged_batch(target):
         assert tokens == hf_greedy(target.model, prompt, 12)
     stats = out.stats
     assert stats.tau == 1.0 and stats.target_forwards == 11 and stats.new_tokens == 48
+    ms = stats.step_ms()  # every decode step timed as a plain one; no speculative phases
+    assert stats.plain_steps == 11 and 0 < stats.plain_s <= stats.decode_s
+    assert ms["plain"] > 0 and ms["speculative"] is None and ms["drafting"] is None
 
 
 def test_rows_stop_at_their_own_eos(target):

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = {"path": "tiny-random", "name": "tiny-random"}
 SCHEMA = {"target", "head", "temperature", "num_prompts", "tau", "acceptance_by_depth", "by_category",
           "tokens_per_second", "speedup_vs_vanilla", "speedup_vs_hf_generate", "greedy_match", "draft",
-          "weight_layout"}
+          "weight_layout", "step_ms"}
 PROMPTS = [{"prompt": "Name three colours.", "category": "writing"},
            {"prompt": "abc abc abc abc abc", "category": "coding"},
            {"prompt": "What is 2 + 2?"}]  # no category: counted as "general"
@@ -78,6 +78,9 @@ def test_eval_json_schema_and_greedy_output_equals_plain(head_dir, prompts_file,
     assert all(v > 0 for v in written["tokens_per_second"].values())
     tps = written["tokens_per_second"]
     assert written["speedup_vs_hf_generate"] == pytest.approx(tps["speculative"] / tps["hf_generate"])
+    ms = written["step_ms"]  # where a step's time went: each phase timed, the speculative step their sum
+    assert all(ms[k] > 0 for k in ("plain", "drafting", "tree_forward", "accepting"))
+    assert ms["speculative"] == pytest.approx(ms["drafting"] + ms["tree_forward"] + ms["accepting"])
     assert (out / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.iterdir()) == ["eval.json", "eval.png"]  # no temp files left
 

@@ -38,6 +38,10 @@ def speculate(target, prompts, drafter, **kw):
 def test_prompt_lookup_is_lossless(target, prompts, plain):
     out = speculate(target, prompts, build_drafter("prompt_lookup", target, gamma=4))
     assert out.tokens == plain
+    stats = out.stats  # each speculative step's time split into its phases, which add up to its decode time
+    assert stats.speculative_steps == stats.target_forwards and stats.plain_steps == 0
+    assert min(stats.draft_s, stats.tree_forward_s, stats.accept_s) > 0
+    assert stats.draft_s + stats.tree_forward_s + stats.accept_s <= stats.decode_s
 
 
 def test_prompt_lookup_finds_the_latest_continuation():
