@@ -82,7 +82,9 @@ class GenerationStats:
     decode_s: float = 0.0
     drafting_stopped_at: int | None = None  # the step after which drafting stopped paying (infer.payoff)
     # where the decoding time went (seconds, summed over steps): plain steps, and speculative steps split into
-    # drafting (the tree and its mask), the target's forward over the tree, and accepting (verify, cache, commit)
+    # drafting (the tree and its mask), the target's forward over the tree, and accepting (verify, cache, commit);
+    # on a GPU kernels run asynchronously, so the forward's share is its launch and accepting absorbs the wait
+    # (unless the drafting guard synchronises)
     plain_steps: int = 0
     plain_s: float = 0.0
     speculative_steps: int = 0
