@@ -48,7 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 from headway.heads.base import HeadError, load_head, read_head_config
 from headway.heads.files import atomic_path, write_text_atomic
 from headway.heads.target import TargetError, TargetSpec, load_target, recorded_spec, target_preset
-from headway.infer.engine import CacheFullError, EngineError, Engine, encode_prompts
+from headway.infer.engine import CacheFullError, EngineError, Engine, GenerationStats, encode_prompts
 from headway.infer.hf_generate import generation_config, hf_generate
 from headway.infer.prompt_sets import PromptSetError, load_prompt_set
 from headway.heads.sampling import is_greedy
@@ -201,8 +201,7 @@ class Tally:
     tokens: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     prompts: int = 0
-    step_seconds: dict[str, float] = field(default_factory=dict)  # a step's phases, summed over steps
-    step_counts: dict[str, int] = field(default_factory=dict)  # plain / speculative steps timed
+    step_times: GenerationStats = field(default_factory=GenerationStats)  # steps and their phases' seconds, summed
 
     def add_steps(self, stats) -> None:
         self.emitted += stats.emitted
@@ -212,27 +211,16 @@ class Tally:
             mine.extend([0] * (len(theirs) - len(mine)))
             for d, n in enumerate(theirs):
                 mine[d] += n
-        self._add_phases(stats.speculative_steps, drafting=stats.draft_s, tree_forward=stats.tree_forward_s,
-                         accepting=stats.accept_s)
+        t = self.step_times
+        t.speculative_steps += stats.speculative_steps
+        t.draft_s += stats.draft_s
+        t.tree_forward_s += stats.tree_forward_s
+        t.accept_s += stats.accept_s
 
     def add_plain_steps(self, stats) -> None:
         """The plain engine's steps: what a speculative step is compared with."""
-        self._add_phases(stats.plain_steps, plain=stats.plain_s)
-
-    def _add_phases(self, steps: int, **seconds: float) -> None:
-        kind = "plain" if "plain" in seconds else "speculative"
-        self.step_counts[kind] = self.step_counts.get(kind, 0) + steps
-        for name, sec in seconds.items():
-            self.step_seconds[name] = self.step_seconds.get(name, 0.0) + sec
-
-    def step_ms(self) -> dict:
-        """Mean ms per step: plain, and a speculative step with its phases (None where none was timed)."""
-        def per_step(name: str, kind: str):
-            n = self.step_counts.get(kind, 0)
-            return 1000 * self.step_seconds.get(name, 0.0) / n if n else None
-        phases = {name: per_step(name, "speculative") for name in ("drafting", "tree_forward", "accepting")}
-        total = sum(phases.values()) if None not in phases.values() else None
-        return {"plain": per_step("plain", "plain"), "speculative": total, **phases}
+        self.step_times.plain_steps += stats.plain_steps
+        self.step_times.plain_s += stats.plain_s
 
     def add_time(self, method: str, tokens: int, seconds: float) -> None:
         self.tokens[method] = self.tokens.get(method, 0) + tokens
@@ -299,7 +287,7 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "greedy_match": matches / total.prompts if is_greedy(cfg.temperature) else None,
         "draft": draft or {},  # the drafter and, for planned trees, the size and the speedup it predicted
         "weight_layout": current_layout(target.model),  # the engines' (HF generate() runs the stock one)
-        "step_ms": total.step_ms(),
+        "step_ms": total.step_times.step_ms(),
     }
 
 

@@ -162,9 +162,9 @@ def measure(args, methods, prompts, temperature) -> list[dict]:
                      "vs hf_generate": tps / hf_tps,
                      "same as plain": f"{same[name]}/{len(prompts)}" if temperature == 0 else None,
                      "drafting stopped": f"{stopped[name]}/{len(prompts)}" if steps[name] else None})
-    plain_ms = phases["headway_plain"].step_ms()["plain"]
+    plain_ms = phases["headway_plain"].step_times.step_ms()["plain"]
     for name, tally in phases.items():
-        ms = tally.step_ms()
+        ms = tally.step_times.step_ms()
         if ms["speculative"] is not None:  # compared with the plain engine's step in this run
             print(f"temperature {temperature:g}, {name}: " + step_line(dict(ms, plain=plain_ms)))
     return rows
