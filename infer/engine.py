@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -114,6 +114,18 @@ class GenerationStats:
                 "speculative": mean(self.draft_s + self.tree_forward_s + self.accept_s, n),
                 "drafting": mean(self.draft_s, n), "tree_forward": mean(self.tree_forward_s, n),
                 "accepting": mean(self.accept_s, n)}
+
+    def add(self, other: "GenerationStats") -> None:
+        """Sum another call's counts and seconds into these (rates over many calls are then micro-averages);
+        `drafting_stopped_at` belongs to one call and is not summed."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, list):  # per-depth counts: the longer list sets the depths
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for d, n in enumerate(theirs):
+                    mine[d] += n
+            elif f.name != "drafting_stopped_at":
+                setattr(self, f.name, mine + theirs)
 
     def to_dict(self) -> dict:
         return dict(asdict(self), tau=self.tau, acceptance_by_depth=self.acceptance_by_depth,

@@ -194,33 +194,22 @@ def build(cfg, device):
 class Tally:
     """Sums over prompts, so every rate is a micro-average over all steps of all prompts."""
 
-    emitted: int = 0
-    row_steps: int = 0
-    accepted: list[int] = field(default_factory=list)
-    drafted: list[int] = field(default_factory=list)
+    speculative: GenerationStats = field(default_factory=GenerationStats)  # the speculative engine's calls, summed
+    plain: GenerationStats = field(default_factory=GenerationStats)  # the plain engine's: what a step is compared with
     tokens: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     prompts: int = 0
-    step_times: GenerationStats = field(default_factory=GenerationStats)  # steps and their phases' seconds, summed
 
-    def add_steps(self, stats) -> None:
-        self.emitted += stats.emitted
-        self.row_steps += stats.row_steps
+    def add_steps(self, stats: GenerationStats) -> None:
+        self.speculative.add(stats)
         self.prompts += 1
-        for mine, theirs in ((self.accepted, stats.accepted_at_depth), (self.drafted, stats.drafted_at_depth)):
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for d, n in enumerate(theirs):
-                mine[d] += n
-        t = self.step_times
-        t.speculative_steps += stats.speculative_steps
-        t.draft_s += stats.draft_s
-        t.tree_forward_s += stats.tree_forward_s
-        t.accept_s += stats.accept_s
 
-    def add_plain_steps(self, stats) -> None:
-        """The plain engine's steps: what a speculative step is compared with."""
-        self.step_times.plain_steps += stats.plain_steps
-        self.step_times.plain_s += stats.plain_s
+    def add_plain_steps(self, stats: GenerationStats) -> None:
+        self.plain.add(stats)
+
+    def step_ms(self) -> dict:
+        """Mean ms per step: the plain engine's, and a speculative step with its phases."""
+        return dict(self.speculative.step_ms(), plain=self.plain.step_ms()["plain"])
 
     def add_time(self, method: str, tokens: int, seconds: float) -> None:
         self.tokens[method] = self.tokens.get(method, 0) + tokens
@@ -228,7 +217,7 @@ class Tally:
 
     @property
     def tau(self) -> float:
-        return self.emitted / max(self.row_steps, 1)
+        return self.speculative.tau
 
     def tokens_per_second(self, method: str) -> float | None:
         return self.tokens[method] / max(self.seconds[method], 1e-9) if method in self.tokens else None
@@ -279,7 +268,7 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "temperature": float(cfg.temperature),
         "num_prompts": total.prompts,
         "tau": total.tau,
-        "acceptance_by_depth": [a / d if d else 0.0 for a, d in zip(total.accepted, total.drafted)],
+        "acceptance_by_depth": total.speculative.acceptance_by_depth,
         "by_category": {c: {"tau": t.tau, "num_prompts": t.prompts} for c, t in sorted(by_cat.items())},
         "tokens_per_second": tps,
         "speedup_vs_vanilla": ratio("vanilla"),
@@ -287,7 +276,7 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "greedy_match": matches / total.prompts if is_greedy(cfg.temperature) else None,
         "draft": draft or {},  # the drafter and, for planned trees, the size and the speedup it predicted
         "weight_layout": current_layout(target.model),  # the engines' (HF generate() runs the stock one)
-        "step_ms": total.step_times.step_ms(),
+        "step_ms": total.step_ms(),
     }
 
 

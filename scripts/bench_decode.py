@@ -31,8 +31,8 @@ import bench_common as bc
 import torch
 
 from headway.infer.calibrate import calibrate_latency
-from headway.infer.engine import Engine
-from headway.infer.evaluate import Tally, step_line
+from headway.infer.engine import Engine, GenerationStats
+from headway.infer.evaluate import step_line
 from headway.infer.hf_generate import generation_config, hf_generate
 from headway.heads.kernels.weight_layout import LAYOUTS, apply_layout
 
@@ -136,9 +136,8 @@ def measure(args, methods, prompts, temperature) -> list[dict]:
             print(f"{name}: {plan()}")
     tokens = {m: 0 for m in methods}
     seconds = {m: 0.0 for m in methods}
-    emitted, steps = {m: 0 for m in methods}, {m: 0 for m in methods}
     same, stopped = {m: 0 for m in methods}, {m: 0 for m in methods}
-    phases = {m: Tally() for m in methods}  # where each engine's steps spent their time
+    summed = {m: GenerationStats() for m in methods}  # each engine's calls summed: tau and where its steps' time went
     for i, (_, ids) in enumerate(prompts):
         outs = {}
         for name, run in methods.items():
@@ -146,11 +145,8 @@ def measure(args, methods, prompts, temperature) -> list[dict]:
             tokens[name] += len(outs[name])
             seconds[name] += sec
             if stats is not None:
-                emitted[name] += stats.emitted
-                steps[name] += stats.row_steps
                 stopped[name] += stats.drafting_stopped_at is not None
-                phases[name].add_steps(stats)
-                phases[name].add_plain_steps(stats)
+                summed[name].add(stats)
         for name, out in outs.items():
             same[name] += int(out == outs["headway_plain"])
     hf_tps = tokens["hf_generate"] / seconds["hf_generate"]
@@ -158,13 +154,13 @@ def measure(args, methods, prompts, temperature) -> list[dict]:
     for name in methods:
         tps = tokens[name] / seconds[name]
         rows.append({"temperature": temperature, "method": name, "tokens": tokens[name], "tokens/s": tps,
-                     "tau": emitted[name] / steps[name] if steps[name] else None,
+                     "tau": summed[name].tau if summed[name].row_steps else None,
                      "vs hf_generate": tps / hf_tps,
                      "same as plain": f"{same[name]}/{len(prompts)}" if temperature == 0 else None,
-                     "drafting stopped": f"{stopped[name]}/{len(prompts)}" if steps[name] else None})
-    plain_ms = phases["headway_plain"].step_times.step_ms()["plain"]
-    for name, tally in phases.items():
-        ms = tally.step_times.step_ms()
+                     "drafting stopped": f"{stopped[name]}/{len(prompts)}" if summed[name].row_steps else None})
+    plain_ms = summed["headway_plain"].step_ms()["plain"]
+    for name, total in summed.items():
+        ms = total.step_ms()
         if ms["speculative"] is not None:  # compared with the plain engine's step in this run
             print(f"temperature {temperature:g}, {name}: " + step_line(dict(ms, plain=plain_ms)))
     return rows

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from headway.heads.target import load_target
-from headway.infer.engine import CacheFullError, EngineError, Engine
+from headway.infer.engine import CacheFullError, EngineError, Engine, GenerationStats
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +67,16 @@ def test_bad_requests_fail_clearly(target):
     limit = target.config.max_position_embeddings
     with pytest.raises(CacheFullError, match="max_position_embeddings"):
         engine.generate([[1] * limit], max_new_tokens=1)
+
+
+def test_stats_of_several_calls_add_up_to_micro_averages():
+    a = GenerationStats(row_steps=3, emitted=5, accepted_at_depth=[2], drafted_at_depth=[3], speculative_steps=3,
+                        draft_s=0.5, drafting_stopped_at=2)
+    b = GenerationStats(row_steps=2, emitted=4, accepted_at_depth=[1, 1], drafted_at_depth=[2, 1], speculative_steps=2,
+                        draft_s=0.25)
+    a.add(b)
+    assert (a.row_steps, a.emitted, a.speculative_steps, a.draft_s) == (5, 9, 5, 0.75)
+    assert a.accepted_at_depth == [3, 1] and a.drafted_at_depth == [5, 1]  # the longer list sets the depths
+    assert a.tau == pytest.approx(9 / 5) and a.acceptance_by_depth == pytest.approx([3 / 5, 1.0])
+    assert a.step_ms()["drafting"] == pytest.approx(150.0)
+    assert a.drafting_stopped_at == 2  # one call's, not summed
