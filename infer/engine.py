@@ -282,7 +282,8 @@ class Engine:
                               None if bool((num_new == tokens.shape[1]).all()) else num_new)
         out = self.model(input_ids=tokens.to(self.device), position_ids=pos.to(self.device),
                          attention_mask=mask.to(self.device), cache=cache, use_cache=True,
-                         output_hidden_states=hidden, logits_to_keep=keep)
+                         output_hidden_states=hidden,
+                         logits_to_keep=keep.to(self.device) if isinstance(keep, Tensor) else keep)
         return plan, out
 
 

@@ -245,7 +245,8 @@ def vocabulary(target, args) -> None:
             heads[name] = head
         feats = compute_features(target.model, batch["input_ids"], batch["attention_mask"],
                                  heads["whole vocabulary"].feature_layers())
-        best = best_interleaved({name: (lambda h=head: time_head(h, batch, feats, args)[0])
+        autocast = feature_autocast(target)
+        best = best_interleaved({name: (lambda h=head: time_head(h, batch, feats, args, autocast)[0])
                                  for name, head in heads.items()})
         tokens = args.vocab_batch * args.vocab_length
         for name, head in heads.items():
@@ -309,6 +310,13 @@ def precision(target, args) -> None:
         speedup[kind] = best["fp32"] / best["bf16 autocast"]
         del head
     report_speedups(rows, "\n(best of 3 interleaved repeats)", speedup, "bf16 autocast", "fp32")
+
+
+def feature_autocast(target) -> torch.dtype | None:
+    """A target loaded in half precision hands the fp32 head half-precision features: the head step then
+    runs under autocast to that dtype, as the training job's mixed precision does (None: an fp32 target)."""
+    dtype = next(target.model.parameters()).dtype
+    return None if dtype == torch.float32 else dtype
 
 
 def job_autocast(args) -> torch.dtype | None:
@@ -418,7 +426,7 @@ def scaling(target, args) -> None:
                 batch = make_batch(target, length, args.batch, args.device, args.prompt_share)
                 t_on, t_off, m_on, m_off, feats = time_features(target, batch, head.feature_layers(), args,
                                                                  Path(tmp) / f"{kind}-{length}")
-                t_head, m_head = time_head(head, batch, feats, args)
+                t_head, m_head = time_head(head, batch, feats, args, feature_autocast(target))
                 tokens = length * args.batch
                 per_token.append(t_head / tokens)
                 rows.append({"head": kind, "seq": length, "online tok/s": tokens / (t_on + t_head),

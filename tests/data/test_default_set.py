@@ -196,3 +196,18 @@ def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_it_and_keys_what_i
     assert built == want and built.is_file()
     rows = [json.loads(line) for line in built.read_text().splitlines()]
     assert {r["provenance"].get("precision", "fp32") for r in rows} == {resolved}  # fp32: the key as before
+
+
+def test_generation_on_a_gpu_mixes_no_devices(target, tmp_path, monkeypatch):
+    """The same build with the target on a GPU (checked without one: tests/virtual_cuda.py): prompts,
+    replies and the hidden states captured on the way, written from host copies."""
+    from tests.virtual_cuda import to_virtual_cuda, virtual_cuda
+
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    cfg = default_cfg(tmp_path)
+    with virtual_cuda(monkeypatch):
+        to_virtual_cuda(target.model)
+        capture = capture_plan(cfg, target, LAYERS, 96)
+        train_ds, val_ds = build_datasets(cfg, target.tokenizer, 96, capture=capture)
+        stats = build_cache(capture.directory, target, [train_ds, val_ds], LAYERS, progress=False)
+    assert stats["new_entries"] == 0 and stats["entries"] == 10

@@ -68,7 +68,7 @@ def decode_with(target, prompts: list[list[int]], max_new_tokens: int, stop_ids:
     if decoder is not None:
         return decoder(prompts, max_new_tokens, stop_ids, temperature, top_p, [seed + i for i in range(len(prompts))])
     return decode(target.model, prompts, max_new_tokens, stop_ids, target.tokenizer.pad_token_id, temperature,
-                  top_p, torch.Generator().manual_seed(seed), tap)
+                  top_p, torch.Generator(target.model.device).manual_seed(seed), tap)
 
 
 @contextmanager

@@ -1,0 +1,95 @@
+"""With the target and the head on a GPU, the engine keeps every tensor where CUDA needs it: checked here
+without a GPU by tests/virtual_cuda.py, which marks the weights as CUDA tensors and fails any operation
+that would mix devices on a real one (the host-side bookkeeping stays on the CPU, as designed)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from headway.heads.base import build_head
+from headway.heads.target import load_target
+from headway.infer.calibrate import TreeBudget
+from headway.infer.drafters import build_drafter
+from headway.infer.engine import Engine
+from tests.virtual_cuda import DeviceMixError, to_virtual_cuda, virtual_cuda
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def target():
+    target = load_target({"path": "tiny-random", "name": "tiny-random"})
+    return target
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (9, 3, 14)]
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts):
+    return Engine(target).generate(prompts, max_new_tokens=NEW, stop_on_eos=False).tokens
+
+
+def on_virtual_gpu(target, head=None):
+    to_virtual_cuda(target.model)
+    if head is not None:
+        to_virtual_cuda(head)
+
+
+def test_the_checker_catches_a_device_mix(monkeypatch):
+    with virtual_cuda(monkeypatch):
+        weight = torch.ones(4, 4, device="cuda")
+        assert weight.device.type == "cuda" and weight.cpu().device.type == "cpu"
+        assert (weight @ torch.ones(4, 4).cuda()).device.type == "cuda"
+        weight[torch.tensor([0, 1])] = 2.0  # CPU indices into a CUDA tensor: allowed, as on a GPU
+        with pytest.raises(DeviceMixError, match="mixes"):
+            weight @ torch.ones(4, 4)
+        with pytest.raises(DeviceMixError, match="generator"):
+            torch.rand(3, device="cuda", generator=torch.Generator())
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculative_decoding_on_a_gpu_mixes_no_devices(target, prompts, plain, kind, temperature, monkeypatch):
+    torch.manual_seed(0)
+    head = build_head(kind, target)
+    with virtual_cuda(monkeypatch):
+        on_virtual_gpu(target, head)
+        for policy, opts in [("dynamic", dict(total_tokens=8, depth=3, top_k=3)), ("auto", {})]:
+            drafter = build_drafter("head", target, head=head, policy=policy, **opts)
+            out = Engine(target, drafter, block_size=4, budget=TreeBudget()).generate(
+                prompts, max_new_tokens=NEW, temperature=temperature, seed=0, stop_on_eos=False)
+            if temperature == 0:
+                assert out.tokens == plain, (kind, policy)
+
+
+def test_plain_decoding_on_a_gpu_mixes_no_devices(target, prompts, plain, monkeypatch):
+    with virtual_cuda(monkeypatch):
+        on_virtual_gpu(target)
+        assert Engine(target).generate(prompts, max_new_tokens=NEW, stop_on_eos=False).tokens == plain
+        Engine(target).generate(prompts, max_new_tokens=NEW, temperature=1.0, seed=0, stop_on_eos=False)
+
+
+def test_evaluate_on_a_gpu_mixes_no_devices(tmp_path, monkeypatch):
+    """The whole evaluation (target and head loaded onto the GPU in bf16, the latency curve, the engine's
+    speculative and plain decoding, transformers' generate()) as `device=cuda` runs it."""
+    from hydra import compose, initialize_config_dir
+
+    from headway.heads.base import save_head
+    from headway.infer import evaluate as ev
+
+    repo = Path(__file__).resolve().parents[2]
+    head = save_head(build_head("eagle", load_target({"path": "tiny-random", "name": "tiny-random"})),
+                     tmp_path / "final")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Name three colours."}\n{"prompt": "abc abc abc abc"}\n')
+    with initialize_config_dir(str(repo / "conf"), version_base="1.3"):
+        cfg = compose("eval", overrides=[f"checkpoint={head}", f"prompts={prompts}", "device=cuda", "max_new_tokens=8",
+                                         f"output={tmp_path / 'out'}", "plot=false"])
+    with virtual_cuda(monkeypatch):
+        result = ev.evaluate(cfg, out=lambda *_: None)
+    assert result["greedy_match"] == 1.0
