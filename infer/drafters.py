@@ -312,6 +312,7 @@ class StaticTree(TreePolicy):
                 raise ValueError(f"static tree choice {p} comes before (or without) its parent {p[:-1]}")
             known.add(p)
         self.choices = paths
+        self._plans = {}  # (max_nodes, max_depth) -> _StaticPlan
 
     @classmethod
     def from_accuracies(cls, accuracies, total_nodes: int = 32, top_k: int = 10) -> "StaticTree":
@@ -337,38 +338,69 @@ class StaticTree(TreePolicy):
         return 1 + len([p for p in self.choices if max_depth is None or len(p) <= max_depth])
 
     def build(self, proposer, root, logits, hidden, max_nodes, last_pos, sampling):
-        paths = [p for p in self.choices if proposer.max_depth is None or len(p) <= proposer.max_depth]
-        paths = sorted(paths[:max_nodes - 1], key=len)  # breadth first; parents stay before children
-        index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
+        plan = self._plan(max_nodes, proposer.max_depth)
         B = root.shape[0]
-        tokens = torch.empty(B, len(paths) + 1, dtype=torch.long)
+        tokens = torch.empty(B, plan.size, dtype=torch.long)
         tokens[:, 0] = root.cpu()
-        node_logits = {0: logits}  # node -> [B, V] logits of its children (only nodes with children)
-        node_hidden, expanded = {0: hidden}, {0: -1}  # expanded: node -> index among expanded nodes
-        parents_of = torch.tensor([-1] + [index[p[:-1]] for p in paths])
-        has_kids = set(index[p[:-1]] for p in paths)
-        count = 0
+        # the newest expanded nodes' children logits [B, P, V] and hidden states [B, P, ...]; first the root alone
+        level_logits, level_hidden = logits[:, None], hidden[:, None]
+        for depth, level in enumerate(plan.levels, 1):
+            ranked = level_logits.topk(level.need, -1).indices.cpu()  # [B, P, need]: one host read per level
+            tokens[:, level.nodes] = ranked[:, level.parent_slot, level.rank]
+            if not level.grow_nodes:
+                break  # nothing hangs below this level
+            parent_hidden = level_hidden[:, level.grow_parent_slot.to(level_hidden.device)]  # [B, G, ...]
+            level_logits, level_hidden = proposer.expand(
+                depth, tokens[:, level.grow_nodes], parent_hidden, level.grow_parent_expanded.expand(B, -1),
+                (last_pos + depth)[:, None].expand(B, len(level.grow_nodes)))
+        return tokens, plan.parents, None
+
+    def _plan(self, max_nodes: int, max_depth: int | None) -> "_StaticPlan":
+        """The tree's layout for this budget, worked out once: nodes breadth first (parents before children)."""
+        key = (max_nodes, max_depth)
+        if key not in self._plans:
+            paths = [p for p in self.choices if max_depth is None or len(p) <= max_depth]
+            self._plans[key] = _StaticPlan.of(sorted(paths[:max_nodes - 1], key=len))
+        return self._plans[key]
+
+
+@dataclass(frozen=True)
+class _StaticLevel:
+    """One depth of a static tree. Slots number the previous level's expanded nodes in expansion order (the root
+    alone before depth 1); expanded indices number every expanded node of the tree so far (the root: -1)."""
+    nodes: list[int]  # tree index of each node of this depth
+    parent_slot: torch.Tensor  # [n] its parent's slot
+    rank: torch.Tensor  # [n] its rank among its parent's children
+    need: int  # the most children any parent here has
+    grow_nodes: list[int]  # the nodes of this depth that have children, in expansion order
+    grow_parent_slot: torch.Tensor  # [g] their parents' slots
+    grow_parent_expanded: torch.Tensor  # [1, g] their parents' expanded indices
+
+
+@dataclass(frozen=True)
+class _StaticPlan:
+    size: int  # nodes, the root included
+    parents: torch.Tensor  # [size] each node's parent's tree index (-1: the root)
+    levels: list[_StaticLevel]
+
+    @classmethod
+    def of(cls, paths: list[tuple[int, ...]]) -> "_StaticPlan":
+        index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
+        has_kids = {p[:-1] for p in paths}
+        slot, expanded = {(): 0}, {(): -1}  # the previous level's slot and every node's expanded index
+        levels, count = [], 0
         for depth in range(1, max((len(p) for p in paths), default=0) + 1):
             level = [p for p in paths if len(p) == depth]
-            ranked = {}  # parent -> its children's tokens by rank [B, r]: one topk per parent
-            for p in level:
-                parent, need = index[p[:-1]], max(q[-1] for q in level if q[:-1] == p[:-1]) + 1
-                if parent not in ranked:
-                    ranked[parent] = node_logits[parent].topk(need, -1).indices.cpu()
-                tokens[:, index[p]] = ranked[parent][:, p[-1]]
-            grow = [p for p in level if index[p] in has_kids]
-            if not grow:
-                continue
-            nodes = [index[p] for p in grow]
-            par_h = torch.stack([node_hidden[index[p[:-1]]] for p in grow], 1)
-            par = torch.tensor([expanded[index[p[:-1]]] for p in grow]).expand(B, -1)
-            out_logits, out_hidden = proposer.expand(depth, tokens[:, nodes], par_h, par,
-                                                     (last_pos + depth)[:, None].expand(B, len(nodes)))
-            for j, node in enumerate(nodes):
-                node_logits[node], node_hidden[node] = out_logits[:, j], out_hidden[:, j]
-                expanded[node] = count + j
-            count += len(nodes)
-        return tokens, parents_of, None
+            grow = [p for p in level if p in has_kids]
+            levels.append(_StaticLevel(
+                nodes=[index[p] for p in level], parent_slot=torch.tensor([slot[p[:-1]] for p in level]),
+                rank=torch.tensor([p[-1] for p in level]), need=max(p[-1] for p in level) + 1,
+                grow_nodes=[index[p] for p in grow], grow_parent_slot=torch.tensor([slot[p[:-1]] for p in grow]),
+                grow_parent_expanded=torch.tensor([[expanded[p[:-1]] for p in grow]])))
+            slot = {p: j for j, p in enumerate(grow)}
+            expanded |= {p: count + j for j, p in enumerate(grow)}
+            count += len(grow)
+        return cls(len(paths) + 1, torch.tensor([-1] + [index[p[:-1]] for p in paths]), levels)
 
 
 class DynamicTree(TreePolicy):

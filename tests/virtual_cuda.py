@@ -71,9 +71,22 @@ def _target_device(args, kwargs):
     return None
 
 
+HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__index__}
+
+
 class _VirtualCuda(TorchFunctionMode):
+    """Counts too: `ops`, operations computed on the GPU (an upper bound on kernel launches: views count), and
+    `host_reads`, copies of GPU data to the host, each a wait for the GPU to finish (.cpu(), .item(), ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.host_reads = 0
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func in HOST_READS and is_marked(args[0]):
+            self.host_reads += 1
         descriptor = getattr(func, "__self__", None)
         if descriptor is torch.Tensor.device:
             return CUDA if is_marked(args[0]) else func(*args, **kwargs)
@@ -85,7 +98,9 @@ class _VirtualCuda(TorchFunctionMode):
                                                                              else args[0]))
             return out
         if func in TRANSFERS:
-            return self._transfer(func, args, kwargs)
+            out = self._transfer(func, args, kwargs)
+            self.host_reads += is_marked(args[0]) and not is_marked(out)
+            return out
         if func is torch._C._nn._parse_to:  # Module.to() reading its arguments: the device stays as asked
             return func(*args, **kwargs)
         if func is torch.Tensor.numpy and is_marked(args[0]):
@@ -101,6 +116,7 @@ class _VirtualCuda(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func not in CROSS_DEVICE_OK and (wants_cuda or any(is_marked(t) for t in _tensors((args, kwargs)))):
             _mark(out, True)
+            self.ops += any(True for _ in _tensors(out))  # not attribute reads (.shape, .dtype)
         return out
 
     @staticmethod
@@ -161,5 +177,5 @@ def virtual_cuda(monkeypatch):
 
     monkeypatch.setattr(torch, "Generator", Generator)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    with _VirtualCuda():
-        yield
+    with _VirtualCuda() as mode:
+        yield mode

@@ -93,3 +93,28 @@ def test_evaluate_on_a_gpu_mixes_no_devices(tmp_path, monkeypatch):
     with virtual_cuda(monkeypatch):
         result = ev.evaluate(cfg, out=lambda *_: None)
     assert result["greedy_match"] == 1.0
+
+
+def test_a_static_tree_reads_the_gpu_once_per_level(monkeypatch):
+    """Each level's children come from one top-k over all its parents, so building a 40-node tree waits for the
+    GPU once per level, not once per parent (each wait is a round trip that a GPU step cannot hide)."""
+    from headway.infer.drafters import StaticTree
+
+    tree = StaticTree.from_accuracies([0.8, 0.6, 0.5, 0.4], total_nodes=40, top_k=8)
+    depth = max(len(p) for p in tree.choices)
+    parents = len({p[:-1] for p in tree.choices})
+    assert parents > depth  # a bushy tree: per-parent reads would show
+
+    class Proposer:  # children's logits from the parent's hidden state, computed on the GPU
+        max_depth = None
+
+        def expand(self, depth, tokens, parent_hidden, parents, positions):
+            return parent_hidden @ readout, parent_hidden + 1  # [B, G, V], [B, G, h]
+
+    with virtual_cuda(monkeypatch) as mode:
+        readout = torch.randn(8, 300, device="cuda")
+        hidden = torch.randn(2, 8, device="cuda")
+        tokens, tree_parents, _ = tree.build(Proposer(), torch.tensor([5, 7], device="cuda"), hidden @ readout, hidden,
+                                             40, torch.tensor([3, 4]), None)
+    assert tokens.shape == (2, 40) and tree_parents.shape == (40,)
+    assert mode.host_reads == 1 + depth  # the root's tokens, then one top-k per level
