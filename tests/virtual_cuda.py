@@ -132,7 +132,7 @@ class _VirtualCuda(TorchFunctionMode):
         if to == "cuda":
             kwargs.pop("device", None)
             args = tuple(a for a in args if not isinstance(a, (str, torch.device)))
-            rest = [a for a in args[1:] if a is not None and not isinstance(a, torch.Tensor)]
+            rest = [a for a in args[1:] if isinstance(a, torch.dtype)]  # not non_blocking: meaningless here
             out = args[0].to(*rest, **kwargs) if func is torch.Tensor.to and (rest or kwargs) else args[0]
         elif to == "cpu":
             out = func(*args, **kwargs)
