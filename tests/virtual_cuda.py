@@ -1,7 +1,7 @@
 """Catch CPU/GPU tensor mix-ups on a machine without a GPU.
 
-Inside `virtual_cuda()`, tensors "placed on cuda" stay in CPU memory but carry a mark, and report
-`device` cuda:0: model weights marked with `to_virtual_cuda(module)`, tensors made with device="cuda"
+Inside `on_gpu()` without a GPU, tensors "placed on cuda" stay in CPU memory but carry a mark, and report
+`device` cuda:0: the weights of the modules it is given, tensors made with device="cuda"
 or moved there with .to()/.cuda(), and every result computed from a marked tensor. An operation that
 CUDA would refuse because it mixes devices (a marked tensor with an unmarked one that is not a 0-dim
 CPU scalar) raises DeviceMixError naming the operation, as torch would raise on a real GPU. Transfers
@@ -76,6 +76,8 @@ HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, tor
 
 
 class _VirtualCuda(TorchFunctionMode):
+    virtual = True
+
     """Counts too: `ops`, operations computed on the GPU (an upper bound on kernel launches: views count), and
     `host_reads`, copies of GPU data to the host, each a wait for the GPU to finish (.cpu(), .item(), ...)."""
 
@@ -156,16 +158,33 @@ class _VirtualCuda(TorchFunctionMode):
                                  f"tensors {[tuple(t.shape) for t in cpu][:3]}")
 
 
-def to_virtual_cuda(module: torch.nn.Module) -> torch.nn.Module:
-    """Mark a module's parameters and buffers as living on the virtual GPU."""
-    for t in list(module.parameters()) + list(module.buffers()):
-        _mark(t, True)
-    return module
+def _place(modules, on: bool) -> None:
+    for module in modules:
+        for t in list(module.parameters()) + list(module.buffers()):
+            _mark(t, on)
+
+
+class RealGpu:
+    """What `on_gpu` yields on a machine with a GPU: nothing emulated, nothing counted."""
+    virtual = False
+    ops = host_reads = None
 
 
 @contextlib.contextmanager
-def virtual_cuda(monkeypatch):
-    """The mode, with torch.Generator(cuda) and torch.cuda.synchronize standing in for the real ones."""
+def on_gpu(monkeypatch, *modules: torch.nn.Module):
+    """Run the block with `modules` on a GPU: the real one when torch sees one (`scripts/gpu_check.sh` runs these
+    tests there), else the virtual one, with torch.Generator(cuda) and torch.cuda.synchronize standing in for the
+    real ones. The modules are back on the CPU afterwards, for the tests that share them."""
+    if torch.cuda.is_available():
+        try:
+            for module in modules:
+                module.to("cuda")
+            yield RealGpu()
+        finally:
+            for module in modules:
+                module.to("cpu")
+        return
+
     class Generator(torch.Generator):  # a CPU generator that remembers which device it was made for
         def __new__(cls, device="cpu"):
             generator = super().__new__(cls, "cpu")
@@ -177,5 +196,9 @@ def virtual_cuda(monkeypatch):
 
     monkeypatch.setattr(torch, "Generator", Generator)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    with _VirtualCuda() as mode:
-        yield mode
+    _place(modules, True)
+    try:
+        with _VirtualCuda() as mode:
+            yield mode
+    finally:
+        _place(modules, False)

@@ -199,14 +199,13 @@ def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_it_and_keys_what_i
 
 
 def test_generation_on_a_gpu_mixes_no_devices(target, tmp_path, monkeypatch):
-    """The same build with the target on a GPU (checked without one: tests/virtual_cuda.py): prompts,
-    replies and the hidden states captured on the way, written from host copies."""
-    from tests.virtual_cuda import to_virtual_cuda, virtual_cuda
+    """The same build with the target on a GPU (tests/virtual_cuda.py's without one): prompts, replies and the
+    hidden states captured on the way, written from host copies."""
+    from tests.virtual_cuda import on_gpu
 
     monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
     cfg = default_cfg(tmp_path)
-    with virtual_cuda(monkeypatch):
-        to_virtual_cuda(target.model)
+    with on_gpu(monkeypatch, target.model):
         capture = capture_plan(cfg, target, LAYERS, 96)
         train_ds, val_ds = build_datasets(cfg, target.tokenizer, 96, capture=capture)
         stats = build_cache(capture.directory, target, [train_ds, val_ds], LAYERS, progress=False)

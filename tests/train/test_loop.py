@@ -252,14 +252,14 @@ def test_auto_precision_on_a_cpu_is_bf16_only_where_the_hardware_multiplies_it(a
 
 @pytest.mark.parametrize("head, hidden_states", [("eagle", "online"), ("eagle3", "offline"), ("mtp", "offline")])
 def test_training_on_a_gpu_mixes_no_devices(head, hidden_states, tmp_path, monkeypatch):
-    """The job with accelerate's device a GPU (checked without one: tests/virtual_cuda.py): the target, the head,
-    the batches and the hidden-state cache all where CUDA needs them."""
+    """The job with accelerate's device a GPU (tests/virtual_cuda.py's without one): the target, the head, the
+    batches and the hidden-state cache all where CUDA needs them."""
     import accelerate
 
-    from tests.virtual_cuda import virtual_cuda
+    from tests.virtual_cuda import on_gpu
 
     monkeypatch.setattr(accelerate.Accelerator, "device", property(lambda self: torch.device("cuda", 0)))
     cfg = compose_train(f"head={head}", "experiment=smoke", f"data.hidden_states={hidden_states}", run_dir=tmp_path)
-    with virtual_cuda(monkeypatch) as gpu:
+    with on_gpu(monkeypatch) as gpu:
         run_dir = train(cfg)
-    assert gpu.ops > 0 and (run_dir / "final" / "model.safetensors").is_file()
+    assert (gpu.ops or not gpu.virtual) and (run_dir / "final" / "model.safetensors").is_file()
