@@ -2,6 +2,7 @@
 and the hidden-state cache training reads, filled during generation; clear errors when nothing can be written."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -142,6 +143,27 @@ def test_the_default_prompts_do_not_depend_on_the_interpreter_path():
     finally:
         alias.unlink()
     assert len(digests) == 1
+
+
+def test_the_default_prompts_do_not_depend_on_the_python_version(monkeypatch):
+    """The stdlib coding prompts come from the shipped file, not from this interpreter's docstrings (which
+    change between Python versions, and with them the default dataset and its key)."""
+    from headway.train.data import stdlib_prompts
+    from headway.train.data.default_set import STDLIB_PROMPTS, default_prompts
+
+    monkeypatch.setattr(stdlib_prompts, "_candidates", lambda: pytest.fail("read this Python's docstrings"))
+    shipped = [json.loads(line) for line in STDLIB_PROMPTS.read_text().splitlines()]
+    stdlib = [p for p in default_prompts() if p["source"] == "stdlib"]
+    assert len(shipped) == 100 and [p["prompt"] for p in stdlib] == [p["prompt"] for p in shipped]
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the shipped stdlib prompts were written by Python 3.11")
+def test_the_shipped_stdlib_prompts_are_what_the_generator_writes():
+    from headway.train.data.default_set import STDLIB_PROMPTS
+    from headway.train.data.stdlib_prompts import stdlib_coding_prompts
+
+    shipped = [json.loads(line) for line in STDLIB_PROMPTS.read_text().splitlines()]
+    assert shipped == stdlib_coding_prompts(100)
 
 
 def test_a_bf16_build_fills_the_cache_and_marks_what_it_computed(target, tmp_path, monkeypatch):

@@ -29,20 +29,19 @@ from headway.train.data.decode import generating, resolve_precision
 from headway.train.data.regenerate import (HOW_NOT_WHAT, GenerationSettings, JsonlSink, ProgressBar, content_settings,
                                            done_ids, prompt_rows, regenerate, stop_token_ids, unwritable)
 from headway.train.data.self_prompts import SelfPromptSettings, candidate_rows, select_prompts, write_candidates
-from headway.train.data.stdlib_prompts import stdlib_coding_prompts
 from headway.train.data.vllm_decode import open_decoder
 
 WRITTEN_PROMPTS = Path(__file__).parent / "builtin" / "default_prompts.jsonl"
-NUM_STDLIB_PROMPTS = 100
+STDLIB_PROMPTS = Path(__file__).parent / "builtin" / "stdlib_prompts.jsonl"  # train/data/stdlib_prompts.py
 log = logging.getLogger(__name__)
 
 
 def default_prompts(num_prompts: int | None = None) -> list[dict]:
     """[{"id", "category", "prompt", "source"}]: the written set, then the stdlib coding prompts (the
     self-written ones need the target: see self_written_prompts)."""
-    written = [dict(json.loads(line), source="written")
-               for line in WRITTEN_PROMPTS.read_text().split("\n") if line.strip()]
-    prompts = written + [dict(p, source="stdlib") for p in stdlib_coding_prompts(NUM_STDLIB_PROMPTS)]
+    prompts = [dict(json.loads(line), source=source) for path, source in ((WRITTEN_PROMPTS, "written"),
+                                                                          (STDLIB_PROMPTS, "stdlib"))
+               for line in path.read_text().split("\n") if line.strip()]
     return prompts[:num_prompts] if num_prompts else prompts
 
 

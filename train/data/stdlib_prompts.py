@@ -1,13 +1,21 @@
-"""Coding prompts generated offline from the docstrings of the installed Python standard library.
+"""Coding prompts generated offline from the docstrings of the Python standard library.
 
 A fixed list of pure-Python modules, their public functions with a usable docstring, a deterministic
-selection (sorted by a hash of the qualified name), and a few phrasings of "implement this function"."""
+selection (sorted by a hash of the qualified name), and a few phrasings of "implement this function".
+
+Docstrings change between Python versions, so the default dataset reads the prompts written once, by Python
+3.11, and shipped in builtin/stdlib_prompts.jsonl: every interpreter builds the same dataset (and finds the
+same cached one). This module rewrote that file:
+
+    python -m headway.train.data.stdlib_prompts > train/data/builtin/stdlib_prompts.jsonl
+"""
 
 from __future__ import annotations
 
 import hashlib
 import importlib
 import inspect
+import json
 import os
 import re
 
@@ -67,3 +75,8 @@ def stdlib_coding_prompts(n: int) -> list[dict]:
     return [{"id": f"stdlib-{qual}", "category": "coding", "source": qual,
              "prompt": PHRASINGS[i % len(PHRASINGS)].format(sig=sig, doc=doc)}
             for i, (qual, sig, doc) in enumerate(ranked)]
+
+
+if __name__ == "__main__":
+    for prompt in stdlib_coding_prompts(100):
+        print(json.dumps(prompt))
