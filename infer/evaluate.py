@@ -165,7 +165,17 @@ def check_lengths(prompt_ids: list[list[int]], max_new_tokens: int, target) -> N
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise EvalError(f"device={name} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EvalError(f"device={name} but torch sees no CUDA device here (no GPU, or a CPU build of torch): "
+                        f"use device=auto or device=cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise EvalError(f"device={name} but torch sees {torch.cuda.device_count()} CUDA device(s): "
+                        f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
 
 
 def build(cfg, device):

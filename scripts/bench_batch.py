@@ -44,6 +44,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.target, args.batches, args.max_new_tokens, args.max_nodes = "tiny-random", [1, 4], 8, 8
+    bc.check_device(args.device)
     return args
 
 

@@ -64,6 +64,7 @@ def parse_args(argv=None):
         args.target, args.per_set, args.max_new_tokens = "tiny-random", 1, 8
     if args.all_prompts:
         args.per_set = None
+    bc.check_device(args.device)
     return args
 
 

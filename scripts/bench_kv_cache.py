@@ -44,6 +44,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.prompt, args.tokens, args.batch, args.max_len, args.repeats = 2, 16, 64, 4, 128, 1
+    bc.check_device(args.device)
     return args
 
 

@@ -82,6 +82,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.target, args.lengths, args.steps, args.vocab_length = "tiny-random", [32, 64], 1, 32
+    bc.check_device(args.device)
     return args
 
 

@@ -51,6 +51,17 @@ def test_nan_or_infinite_temperature_is_refused(temperature, eagle_dir, prompts,
         warp_probs(torch.zeros(4), float(temperature))
 
 
+@pytest.mark.parametrize("device, why", [("gpu", "is not a device"), ("cuda", "sees no CUDA device")])
+def test_a_device_that_is_not_there_is_one_clear_error(device, why, eagle_dir, prompts, tmp_path):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = tmp_path / "out"
+    with pytest.raises(ev.EvalError, match=why):
+        ev.evaluate(make_cfg(f"checkpoint={eagle_dir}", f"prompts={prompts}", f"device={device}", f"output={out}"),
+                    out=quiet)
+    assert not out.exists()
+
+
 def test_a_vanishing_temperature_decodes_greedily(eagle_dir, prompts, tmp_path):
     """1e-39 used to divide logits into inf - inf = NaN probabilities; now it is greedy decoding, reported
     with a greedy match, and eval.json is strict JSON."""

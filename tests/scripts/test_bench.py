@@ -205,3 +205,15 @@ def test_bench_generate_refuses_a_layout_before_generating(script, capsys, layou
         script("bench_generate").main(["--target", "tiny-random", "--prompts", "2", "--weight-layouts", "stock", layout])
     out = capsys.readouterr()
     assert exit_.value.code == 2 and out.err.startswith(f"error: --weight-layouts {why}") and not out.out
+
+
+@pytest.mark.parametrize("name", ["bench_batch", "bench_decode", "bench_kv_cache", "bench_train"])
+@pytest.mark.parametrize("device, why", [("gpu", "is not a device"), ("cuda", "sees no CUDA device")])
+def test_a_device_that_is_not_there_is_one_error_line(script, capsys, name, device, why):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as exit_:
+        script(name).main(["--quick", "--device", device])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and not out
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: --device {device} ") and why in err
