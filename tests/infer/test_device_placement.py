@@ -80,7 +80,10 @@ def test_evaluate_on_a_gpu_mixes_no_devices(tmp_path, monkeypatch):
     with initialize_config_dir(str(repo / "conf"), version_base="1.3"):
         cfg = compose("eval", overrides=[f"checkpoint={head}", f"prompts={prompts}", "device=cuda", "max_new_tokens=8",
                                          f"output={tmp_path / 'out'}", "plot=false"])
-    with on_gpu(monkeypatch):
+    with on_gpu(monkeypatch) as gpu:
+        if gpu.virtual:  # device=cuda is refused where torch sees no GPU: here it sees the virtual one
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+            monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
         result = ev.evaluate(cfg, out=lambda *_: None)
     assert result["greedy_match"] == 1.0
 
