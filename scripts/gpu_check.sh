@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: the tests that need CUDA, then the verifier / KV-cache / decode benchmarks in bf16, each
+# GPU check: the tests that need CUDA (the device-placement tests, which run on the real GPU where torch sees
+# one), then the verifier / KV-cache / decode benchmarks in bf16, each
 # table written to OUT. Well under 10 minutes on one H100/H200 (each step is capped by STEP_LIMIT).
 #
 #   bash scripts/gpu_check.sh [OUT]                      # OUT defaults to gpu_check/<date-time>
@@ -37,7 +38,7 @@ step() {  # step NAME COMMAND...: run with a time cap, keep its output in OUT/NA
     timeout "$LIMIT" "$@" > "$OUT/$name.txt" 2>&1
     local rc=$?
     tail -n 3 "$OUT/$name.txt"
-    # pytest exit 5 = no test selected (no CUDA tests in this checkout): not a failure
+    # pytest exit 5 = no test selected (a checkout without GPU tests): not a failure
     if [ $rc -ne 0 ] && ! { [ "$name" = tests_cuda ] && [ $rc -eq 5 ]; }; then failed+=("$name (exit $rc)"); fi
 }
 
