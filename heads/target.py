@@ -98,6 +98,21 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     return table[name]
 
 
+def device_problem(name: str) -> str | None:
+    """Why `name` is not a device this machine can run on (None: it is), to follow the name in an error line."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        return "is not a device (cpu, cuda or cuda:N)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "but torch sees no CUDA device here (no GPU, or a CPU build of torch)"
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        return f"but torch sees {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 # ------------------------------------------------------------------------------ embedded SmolLM2 GGUF
 
 def cache_root() -> Path:

@@ -47,7 +47,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from headway.heads.base import HeadError, load_head, read_head_config
 from headway.heads.files import atomic_path, write_text_atomic
-from headway.heads.target import TargetError, TargetSpec, load_target, recorded_spec, target_preset
+from headway.heads.target import TargetError, TargetSpec, device_problem, load_target, recorded_spec, target_preset
 from headway.infer.engine import CacheFullError, EngineError, Engine, GenerationStats, encode_prompts
 from headway.infer.hf_generate import generation_config, hf_generate
 from headway.infer.prompt_sets import PromptSetError, load_prompt_set
@@ -165,17 +165,10 @@ def check_lengths(prompt_ids: list[list[int]], max_new_tokens: int, target) -> N
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise EvalError(f"device={name} is not a device: use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise EvalError(f"device={name} but torch sees no CUDA device here (no GPU, or a CPU build of torch): "
-                        f"use device=auto or device=cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise EvalError(f"device={name} but torch sees {torch.cuda.device_count()} CUDA device(s): "
-                        f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    return device
+    problem = device_problem(name)
+    if problem:
+        raise EvalError(f"device={name} {problem}: use device=auto, or a device this machine has")
+    return torch.device(name)
 
 
 def build(cfg, device):

@@ -60,20 +60,12 @@ def headline(ratio: float, what: str) -> None:
 
 def check_device(name: str) -> None:
     """A --device this machine has, else one `error:` line and exit 2 (not torch's traceback)."""
-    import torch
+    from headway.heads.target import device_problem
 
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        why = "is not a device: use cpu, cuda or cuda:N"
-    elif device.type == "cuda" and not torch.cuda.is_available():
-        why = "but torch sees no CUDA device here (no GPU, or a CPU build of torch): use --device cpu"
-    else:
-        return
-    print(f"error: --device {name} {why}", file=sys.stderr)
-    sys.exit(2)
+    problem = device_problem(name)
+    if problem:
+        print(f"error: --device {name} {problem}: use --device cpu, or a device this machine has", file=sys.stderr)
+        sys.exit(2)
 
 
 def load_bench_target(name: str, device: str = "cpu", dtype: str | None = "auto"):

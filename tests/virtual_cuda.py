@@ -18,10 +18,10 @@ from torch.overrides import TorchFunctionMode
 MARK = "_virtual_cuda"
 CUDA = torch.device("cuda", 0)
 TRANSFERS = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
-CROSS_DEVICE_OK = {torch.Tensor.copy_, torch.Tensor.__setitem__, torch.Tensor.tolist, torch.Tensor.item,
-                   torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__bool__, torch.Tensor.__int__,
-                   torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__len__,
-                   torch._has_compatible_shallow_copy_type}
+HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__index__}  # GPU data read on the host: a wait for the GPU
+CROSS_DEVICE_OK = HOST_READS | {torch.Tensor.copy_, torch.Tensor.__setitem__, torch.Tensor.__repr__,
+                                torch.Tensor.__format__, torch.Tensor.__len__, torch._has_compatible_shallow_copy_type}
 LIKE = {torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like, torch.rand_like, torch.randn_like,
         torch.randint_like, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_full,
         torch.Tensor.new_empty, torch.Tensor.new_tensor}
@@ -57,8 +57,7 @@ def _tensors(obj):
 
 
 def _is_cuda(device) -> bool:
-    return device is not None and torch.device(device).type == "cuda" if isinstance(device, (str, torch.device)) \
-        else False
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
 
 
 def _target_device(args, kwargs):
@@ -70,9 +69,6 @@ def _target_device(args, kwargs):
             return torch.device(a).type
     return None
 
-
-HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
-              torch.Tensor.__float__, torch.Tensor.__index__}
 
 
 class _VirtualCuda(TorchFunctionMode):

@@ -12,20 +12,11 @@ from headway.heads.target import load_target
 from headway.infer.calibrate import TreeBudget
 from headway.infer.drafters import build_drafter
 from headway.infer.engine import Engine
+from test_speculative import prompts, target  # noqa: F401  (fixtures: the tiny target, a ragged batch)
 from tests.virtual_cuda import DeviceMixError, on_gpu
 
 NEW = 12
 
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target({"path": "tiny-random", "name": "tiny-random"})
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (9, 3, 14)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the virtual GPU")
@@ -75,10 +66,10 @@ def test_evaluate_on_a_gpu_mixes_no_devices(tmp_path, monkeypatch):
     repo = Path(__file__).resolve().parents[2]
     head = save_head(build_head("eagle", load_target({"path": "tiny-random", "name": "tiny-random"})),
                      tmp_path / "final")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "Name three colours."}\n{"prompt": "abc abc abc abc"}\n')
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text('{"prompt": "Name three colours."}\n{"prompt": "abc abc abc abc"}\n')
     with initialize_config_dir(str(repo / "conf"), version_base="1.3"):
-        cfg = compose("eval", overrides=[f"checkpoint={head}", f"prompts={prompts}", "device=cuda", "max_new_tokens=8",
+        cfg = compose("eval", overrides=[f"checkpoint={head}", f"prompts={prompt_file}", "device=cuda", "max_new_tokens=8",
                                          f"output={tmp_path / 'out'}", "plot=false"])
     with on_gpu(monkeypatch) as gpu:
         if gpu.virtual:  # device=cuda is refused where torch sees no GPU: here it sees the virtual one
