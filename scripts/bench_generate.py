@@ -7,6 +7,7 @@ on the same prompts, settings and batch size, in one run; or the HF path under s
     python scripts/bench_generate.py --weight-layouts blocks:mkl blocks:onednn   # many-row GEMM: MKL vs oneDNN
     python scripts/bench_generate.py --weight-layouts auto bf16 auto bf16   # fp32 (this machine's layout) vs bf16
     python scripts/bench_generate.py --stage prompts --weight-layouts bf16:hf-attention bf16   # writing prompts
+    python scripts/bench_generate.py --weight-layouts bf16:sdpa bf16 bf16:sdpa bf16   # decode-step attention kernel
 
 The prompts are the default dataset's written ones (the first --prompts), answered greedily up to
 --max-new-tokens. Each backend writes its rows to a temp folder through the same regenerate() the dataset
@@ -16,7 +17,8 @@ layout, the vLLM run skipped, and the last layout's tokens/s over the first's as
 name the library for the rows its kernel does not take (`blocks:mkl`, `blocks:onednn`; heads/kernels/gemm.py);
 without one, this machine's measured choice. `bf16` in place of a layout: the build's `precision=bf16` (a bf16 copy
 of the target generates, stock layout); `bf16:hf-attention`: the same with transformers' own SDPA attention instead
-of the copy's (train/data/decode.py, sdpa_packed_at_decode). `--stage prompts` times the other stage of the default
+of the copy's (train/data/decode.py, sdpa_packed_at_decode); `bf16:sdpa`: the copy's attention through PyTorch's SDPA
+instead of heads/kernels/decode_attention at a decode step. `--stage prompts` times the other stage of the default
 set's build instead: --prompts candidates of one category written by the target (its self_prompt_* settings:
 temperature 1, top-p 0.95, up to 96 tokens, rows of one shared prefix), one batch per --batch-size.
 """
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
 
 
 BF16 = "bf16"  # a --weight-layouts entry: generation precision bf16 instead of a layout
-BF16_ENTRIES = (BF16, "bf16:hf-attention")  # ... and with transformers' own attention
+BF16_ENTRIES = (BF16, "bf16:hf-attention", "bf16:sdpa")  # ... with transformers' own attention, with SDPA's
 
 
 def bad_input(message: str) -> None:
@@ -175,6 +177,7 @@ def compare_layouts(args, target, rows) -> int:
                                               weight_layout="stock" if bf16 else layout,
                                               precision="bf16" if bf16 else "fp32")
                 decode_module.GROUPED_DECODE_ATTENTION = entry != "bf16:hf-attention"
+                decode_module.DECODE_ATTENTION_KERNEL = entry == BF16
                 started = time.perf_counter()
                 with forced_backend(gemm) if gemm and not bf16 else nullcontext():
                     if args.stage == "prompts":
@@ -192,6 +195,7 @@ def compare_layouts(args, target, rows) -> int:
                       f"({what} identical to {args.weight_layouts[0]}'s: {same} of {len(first)})", flush=True)
     finally:
         decode_module.GROUPED_DECODE_ATTENTION = True  # the copy's own attention again, whatever happened
+        decode_module.DECODE_ATTENTION_KERNEL = True
     if args.stage == "prompts":
         print(f"{args.prompts} prompts written, batch {args.batch_size}, up to 96 tokens, temperature 1, top-p 0.95")
     else:

@@ -156,6 +156,21 @@ def test_bench_gemm(script, capsys):
     assert {"mkl", "onednn"} <= set(table) and "at 16 rows: MKL / oneDNN" in lines[-1]
 
 
+def test_bench_attention(script, capsys):
+    from headway.heads.kernels.decode_attention import available
+
+    if not available():
+        pytest.skip("the decode-attention kernel needs AVX-512 and a C++ compiler")
+    lines = run(script("bench_attention"), ["--batch", "4", "--lengths", "16", "40", "--repeats", "1"], capsys)
+    assert [line.split()[0] for line in lines[2:4]] == ["16", "40"] and "at 40 cached tokens" in lines[-1]
+
+
+def test_bench_attention_refuses_heads_that_do_not_group(script, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        script("bench_attention").main(["--heads", "8", "--kv-heads", "3"])
+    assert exit_.value.code == 2 and "--heads 8 is not a multiple of --kv-heads 3" in capsys.readouterr().err
+
+
 def test_bench_layouts_refuses_zero_rows(script, capsys):
     with pytest.raises(SystemExit) as exit_:
         script("bench_layouts").main(["--target", "tiny-random", "--rows", "0"])
@@ -190,11 +205,12 @@ def test_bench_generate_times_the_prompt_writing_stage(script, capsys):
 
     lines = run(script("bench_generate"), ["--target", "tiny-random", "--prompts", "3", "--batch-size", "2",
                                            "--stage", "prompts", "--weight-layouts", "stock", "bf16:hf-attention",
-                                           "bf16", "stock"], capsys)
-    assert lines[1].startswith("bf16:hf-attention: ") and lines[2].startswith("bf16: ")
-    assert lines[3].startswith("stock: ") and "prompts written identical to stock's: 3 of 3)" in lines[3]
+                                           "bf16:sdpa", "bf16", "stock"], capsys)
+    assert lines[1].startswith("bf16:hf-attention: ") and lines[2].startswith("bf16:sdpa: ")
+    assert lines[3].startswith("bf16: ")
+    assert lines[4].startswith("stock: ") and "prompts written identical to stock's: 3 of 3)" in lines[4]
     assert lines[-2].startswith("3 prompts written") and lines[-1].startswith("stock / stock tokens/s: ")
-    assert decode_module.GROUPED_DECODE_ATTENTION
+    assert decode_module.GROUPED_DECODE_ATTENTION and decode_module.DECODE_ATTENTION_KERNEL
 
 
 @pytest.mark.parametrize("layout,why", [("tiles", "tiles: weight_layout=tiles needs a target"),

@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from headway.heads.kernels.decode_attention import decode_attention
 from headway.heads.sampling import argmax, sample, warp_probs
 from headway.heads.kernels.weight_layout import apply_layout, current_layout
 
@@ -35,6 +36,7 @@ GROWTH = 64  # tokens of room a cache buffer gains at least when it grows
 MAX_TAIL = 8  # tokens teacher-forced after a row stops (stop token + template glue: 1-3 in practice)
 COMPACT_AT = 1 / 8  # complete rows leave the batch once they are this share of it (see _Decoder.retire)
 GROUPED_DECODE_ATTENTION = True  # bf16_copy's attention on a CPU: sdpa_packed_at_decode (False: HF's own)
+DECODE_ATTENTION_KERNEL = True  # ... and there a decode step through heads/kernels/decode_attention (False: SDPA)
 
 
 @dataclass
@@ -164,6 +166,11 @@ def sdpa_packed_at_decode(module, query: Tensor, key: Tensor, value: Tensor, att
     times slower than the first (batch 128, 64-300 cached tokens); grouping always made that stage 1.3-1.5x
     as fast on SmolLM2-135M (docs/data-generation.md)."""
     groups = query.shape[1] // key.shape[1]
+    if query.shape[2] == 1 and DECODE_ATTENTION_KERNEL and not kwargs.get("dropout"):
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        out = decode_attention(query, key, value, attention_mask, scale)  # None where the kernel does not apply
+        if out is not None:
+            return out, None
     if query.shape[2] != 1 or groups == 1 or kwargs.get("dropout"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     B, H, _, D = query.shape
