@@ -18,7 +18,8 @@ name the library for the rows its kernel does not take (`blocks:mkl`, `blocks:on
 without one, this machine's measured choice. `bf16` in place of a layout: the build's `precision=bf16` (a bf16 copy
 of the target generates, stock layout); `bf16:hf-attention`: the same with transformers' own SDPA attention instead
 of the copy's (train/data/decode.py, sdpa_packed_at_decode); `bf16:sdpa`: the copy's attention through PyTorch's SDPA
-instead of heads/kernels/decode_attention at a decode step. `--stage prompts` times the other stage of the default
+instead of heads/kernels/decode_attention at a decode step (`auto:sdpa`, `blocks:sdpa`: the same for the fp32
+target in a layout). `--stage prompts` times the other stage of the default
 set's build instead: --prompts candidates of one category written by the target (its self_prompt_* settings:
 temperature 1, top-p 0.95, up to 96 tokens, rows of one shared prefix), one batch per --batch-size.
 """
@@ -46,7 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--vllm-python", help="a python that has vLLM (default: this one)")
     p.add_argument("--weight-layouts", nargs="+", metavar="LAYOUT",
                    help="compare the HF path under these weight layouts (heads.kernels.weight_layout) instead of vLLM; "
-                        "LAYOUT:mkl or LAYOUT:onednn also fixes the many-row GEMM (heads.kernels.gemm); bf16: a bf16 copy of the target")
+                        "LAYOUT:mkl or LAYOUT:onednn also fixes the many-row GEMM (heads.kernels.gemm); LAYOUT:sdpa "
+                        "attends through PyTorch's SDPA instead of the decode-step kernel; bf16: a bf16 copy of the target")
     return p.parse_args(argv)
 
 
@@ -101,8 +103,8 @@ def main(argv=None) -> int:
                 continue
             if layout not in LAYOUTS:
                 bad_input(f"--weight-layouts {entry}: use one of {', '.join(LAYOUTS)}")
-            if gemm and gemm not in BACKENDS:
-                bad_input(f"--weight-layouts {entry}: the GEMM after ':' must be one of {', '.join(BACKENDS)}")
+            if gemm and gemm not in BACKENDS + (SDPA,):
+                bad_input(f"--weight-layouts {entry}: after ':' name the GEMM ({', '.join(BACKENDS)}) or {SDPA}")
     elif args.stage == "prompts":
         bad_input("--stage prompts compares --weight-layouts (the vLLM comparison answers prompts)")
     else:
@@ -138,7 +140,8 @@ def main(argv=None) -> int:
 
 
 BF16 = "bf16"  # a --weight-layouts entry: generation precision bf16 instead of a layout
-BF16_ENTRIES = (BF16, "bf16:hf-attention", "bf16:sdpa")  # ... with transformers' own attention, with SDPA's
+SDPA = "sdpa"  # after a layout or bf16: a decode step's attention through PyTorch's SDPA, not the kernel
+BF16_ENTRIES = (BF16, "bf16:hf-attention", f"bf16:{SDPA}")  # ... with transformers' own attention, with SDPA
 
 
 def bad_input(message: str) -> None:
@@ -163,7 +166,7 @@ def compare_layouts(args, target, rows) -> int:
         try:
             if layout not in ("auto",) + candidates(target.model):
                 apply_layout(target.model, layout, target)
-            with forced_backend(gemm) if gemm else nullcontext():
+            with forced_backend(gemm) if gemm and gemm != SDPA else nullcontext():
                 pass
         except ValueError as exc:  # why this target or machine cannot run it
             bad_input(f"--weight-layouts {entry}: {exc}")
@@ -177,9 +180,9 @@ def compare_layouts(args, target, rows) -> int:
                                               weight_layout="stock" if bf16 else layout,
                                               precision="bf16" if bf16 else "fp32")
                 decode_module.GROUPED_DECODE_ATTENTION = entry != "bf16:hf-attention"
-                decode_module.DECODE_ATTENTION_KERNEL = entry == BF16
+                decode_module.DECODE_ATTENTION_KERNEL = gemm != SDPA
                 started = time.perf_counter()
-                with forced_backend(gemm) if gemm and not bf16 else nullcontext():
+                with forced_backend(gemm) if gemm and gemm != SDPA and not bf16 else nullcontext():
                     if args.stage == "prompts":
                         tokens, texts = write_prompts(target, args, settings)
                     else:

@@ -164,3 +164,62 @@ def test_decoding_on_a_gpu_mixes_no_devices(target, prompts, temperature, monkey
     with on_gpu(monkeypatch, target.model) as gpu:
         out = decode_with(target, prompts, MAX_NEW, [], temperature, 0.9, seed=0)
     assert out.tokens == expected or not gpu.virtual  # a real GPU draws other random numbers
+
+
+@pytest.fixture(scope="module")
+def wide_heads():
+    """A tiny target with 64-wide attention heads (3 query heads over 1 key/value head), what the kernel takes."""
+    return load_target({"path": "tiny-random", "name": "tiny-random",
+                        "tiny": {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1}})
+
+
+def kernel_calls(monkeypatch) -> list[int]:
+    """Spy on heads/kernels/decode_attention: the cached length of every call."""
+    from headway.heads.kernels import decode_attention as kernel_module
+
+    if not kernel_module.available():
+        pytest.skip("the decode-attention kernel needs AVX-512 and a C++ compiler")
+    calls, real = [], kernel_module.kernel().decode_attention
+    spy = type("Spy", (), {"decode_attention": staticmethod(lambda *a: calls.append(a[1].shape[2]) or real(*a))})
+    monkeypatch.setattr(kernel_module, "kernel", lambda: spy)
+    return calls
+
+
+def left_padded(prompts, pad):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width) >= width - torch.tensor([len(p) for p in prompts])[:, None]).long()
+    return ids, mask
+
+
+def test_bf16_copy_decodes_through_the_attention_kernel(wide_heads, prompts, monkeypatch):
+    """Every decode step's attention on the bf16 copy is the kernel's; greedy tokens are HF generate()'s on the
+    same copy and left-padded batch."""
+    calls = kernel_calls(monkeypatch)
+    twin = decode_module.bf16_copy(wide_heads.model)
+    monkeypatch.setattr(decode_module, "COMPACT_AT", 1.0)  # rows stay in the batch, as in generate
+    pad, layers = wide_heads.tokenizer.pad_token_id, wide_heads.model.config.num_hidden_layers
+    mine = decode(twin, prompts, MAX_NEW, [], pad).tokens
+    assert len(calls) == (MAX_NEW - 1) * layers  # every step after the prefill, every layer
+    ids, mask = left_padded(prompts, pad)
+    out = twin.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=pad)
+    assert mine == out[:, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("layout", ["stock", "panel"])
+def test_fp32_generation_decodes_through_the_attention_kernel(wide_heads, prompts, layout, monkeypatch):
+    """While the fp32 target generates (in a weight layout), its decode steps run the kernel: the same greedy
+    tokens as SDPA gives, and the model's own attention back afterwards."""
+    from headway.heads.kernels.weight_layout import candidates
+    from headway.train.data.decode import generating
+
+    if layout not in candidates(wide_heads.model):
+        pytest.skip(f"{layout} is not offered on this machine")
+    pad = wide_heads.tokenizer.pad_token_id
+    expected = decode(wide_heads.model, prompts, MAX_NEW, [], pad).tokens  # SDPA
+    before = wide_heads.model.config._attn_implementation
+    calls = kernel_calls(monkeypatch)
+    with generating(wide_heads, layout, "fp32"):
+        got = decode(wide_heads.model, prompts, MAX_NEW, [], pad).tokens
+    assert calls and got == expected
+    assert wide_heads.model.config._attn_implementation == before

@@ -1,6 +1,6 @@
 """The decode-step attention kernel: the attention SDPA computes (closer to an fp64 reference than SDPA's own
-bf16 result), left pads unattended, keys and values read through a cache's strided views; and data generation
-on a bf16 copy goes through it, greedy tokens equal to HF generate() on the same copy."""
+bf16 result), left pads unattended, keys and values read through a cache's strided views (data generation runs
+it: tests/data/test_decode.py)."""
 
 import pytest
 import torch
@@ -73,31 +73,3 @@ def test_what_the_kernel_does_not_take_is_left_to_sdpa(change):
     else:
         query, key, value = query.half(), key.half(), value.half()
     assert decode_attention(query, key, value, mask, 0.125) is None
-
-
-def test_data_generation_on_a_bf16_copy_runs_the_kernel(monkeypatch):
-    """decode() on a bf16 copy of a target with 64-wide heads: every decode step's attention is the kernel's,
-    and the greedy tokens are HF generate()'s on the same copy and left-padded batch."""
-    from headway.heads.target import load_target
-    from headway.train.data import decode as decode_module
-
-    target = load_target({"path": "tiny-random", "name": "tiny-random",
-                          "tiny": {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1}})
-    twin = decode_module.bf16_copy(target.model)
-    calls = []
-    real = kernel_module.kernel().decode_attention
-    monkeypatch.setattr(kernel_module, "kernel", lambda: type("K", (), {
-        "decode_attention": staticmethod(lambda *a: calls.append(a[1].shape[2]) or real(*a))}))
-    tok = target.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": "ab" * k + "?"}], add_generation_prompt=True)
-               for k in range(1, 5)]
-    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
-    monkeypatch.setattr(decode_module, "COMPACT_AT", 1.0)  # rows stay in the batch, as in generate
-    pad, new = tok.pad_token_id, 8
-    mine = decode_module.decode(twin, prompts, new, [], pad).tokens
-    assert len(calls) == (new - 1) * 4  # every decode step (the prefill has more queries), every layer
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width) >= width - torch.tensor([len(p) for p in prompts])[:, None]).long()
-    out = twin.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=pad)
-    assert mine == out[:, width:].tolist()

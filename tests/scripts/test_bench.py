@@ -215,7 +215,7 @@ def test_bench_generate_times_the_prompt_writing_stage(script, capsys):
 
 @pytest.mark.parametrize("layout,why", [("tiles", "tiles: weight_layout=tiles needs a target"),
                                         ("nosuch", "nosuch: use one of auto, stock"),
-                                        ("stock:blas", "stock:blas: the GEMM after ':' must be one of mkl, onednn")])
+                                        ("stock:blas", "stock:blas: after ':' name the GEMM (mkl, onednn) or sdpa")])
 def test_bench_generate_refuses_a_layout_before_generating(script, capsys, layout, why):
     with pytest.raises(SystemExit) as exit_:
         script("bench_generate").main(["--target", "tiny-random", "--prompts", "2", "--weight-layouts", "stock", layout])

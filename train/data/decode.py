@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from headway.heads.kernels.attention import NAME as GROUPED_SDPA, grouped_sdpa_forward
 from headway.heads.kernels.decode_attention import decode_attention
 from headway.heads.sampling import argmax, sample, warp_probs
 from headway.heads.kernels.weight_layout import apply_layout, current_layout
@@ -36,7 +37,7 @@ GROWTH = 64  # tokens of room a cache buffer gains at least when it grows
 MAX_TAIL = 8  # tokens teacher-forced after a row stops (stop token + template glue: 1-3 in practice)
 COMPACT_AT = 1 / 8  # complete rows leave the batch once they are this share of it (see _Decoder.retire)
 GROUPED_DECODE_ATTENTION = True  # bf16_copy's attention on a CPU: sdpa_packed_at_decode (False: HF's own)
-DECODE_ATTENTION_KERNEL = True  # ... and there a decode step through heads/kernels/decode_attention (False: SDPA)
+DECODE_ATTENTION_KERNEL = True  # a CPU decode step through heads/kernels/decode_attention, fp32 or bf16 (False: SDPA)
 
 
 @dataclass
@@ -89,9 +90,28 @@ def generation_layout(target, layout: str | None):
     except ValueError as exc:  # an unknown layout, or one this target or machine cannot run
         raise DataError(f"weight_layout={layout}: {exc}") from None
     try:
-        yield
+        with decode_steps_through_kernel(target.model):
+            yield
     finally:
         apply_layout(target.model, before)
+
+
+@contextmanager
+def decode_steps_through_kernel(model):
+    """A CPU model with transformers' SDPA attention (or the layouts' grouped form of it) runs its decode steps
+    through heads/kernels/decode_attention while it generates, as the bf16 copy does; as it was after."""
+    config = model.config
+    before = config._attn_implementation
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if not (DECODE_ATTENTION_KERNEL and on_cpu and before in ("sdpa", GROUPED_SDPA)):
+        yield
+        return
+    register_packed_attention()
+    config._attn_implementation = PACKED_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 @contextmanager
@@ -148,8 +168,7 @@ def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
         head.forward = ContiguousLinear(head)
     if next(twin.parameters()).device.type == "cpu" and twin.config._attn_implementation == "sdpa" \
             and GROUPED_DECODE_ATTENTION:
-        AttentionInterface.register(PACKED_SDPA, sdpa_packed_at_decode)
-        AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)  # the masks of "sdpa" (else HF builds none)
+        register_packed_attention()
         twin.set_attn_implementation(PACKED_SDPA)
     return twin
 
@@ -157,8 +176,16 @@ def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
 PACKED_SDPA = "headway_sdpa_packed"
 
 
+def register_packed_attention() -> None:
+    AttentionInterface.register(PACKED_SDPA, sdpa_packed_at_decode)
+    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)  # the masks of "sdpa" (else HF builds none)
+
+
 def sdpa_packed_at_decode(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
-    """HF's SDPA attention, with a decode step's query heads always grouped per key head.
+    """HF's SDPA attention for data generation on a CPU: a decode step through heads/kernels/decode_attention
+    (3-4x SDPA's time per layer at batch 128; 1.2-1.3x the tokens/s of the whole build, docs/data-generation.md)
+    where it applies, else with the query heads always grouped per key head; an fp32 prefill as the weight
+    layouts attend (heads/kernels/attention.py).
 
     At one query token HF groups the H query heads [B, H, 1, D] as [B, Hkv, H/Hkv, D] when a mask is given
     (left-padded rows), and hands SDPA the ungrouped heads with enable_gqa when none is (rows of one length:
@@ -171,6 +198,8 @@ def sdpa_packed_at_decode(module, query: Tensor, key: Tensor, value: Tensor, att
         out = decode_attention(query, key, value, attention_mask, scale)  # None where the kernel does not apply
         if out is not None:
             return out, None
+    if query.shape[2] != 1 and query.dtype == torch.float32:  # an fp32 prefill: as the weight layouts attend
+        return grouped_sdpa_forward(module, query, key, value, attention_mask, **kwargs)
     if query.shape[2] != 1 or groups == 1 or kwargs.get("dropout"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     B, H, _, D = query.shape
