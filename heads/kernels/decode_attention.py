@@ -2,7 +2,7 @@
 
 At one query token per row, PyTorch's CPU flash attention spends most of its time on query tiles that a decode
 step leaves nearly empty (a key/value head serves 3 query heads on SmolLM2-135M): batch 128, 300 cached tokens,
-bf16, 2-core AMD EPYC (Zen 5): 3.1 ms per layer against 0.95 ms here (`python scripts/bench_attention.py`). The
+bf16, 2-core AMD EPYC (Zen 5): 3.1 ms per layer against 1.1 ms here (`python scripts/bench_attention.py`). The
 kernel reads each cached key and value row once per query head from L2, in fp32, and rounds once at the end:
 the same attention up to the order of the fp32 sums (closer to an fp64 reference than SDPA's, in the tests).
 
