@@ -39,6 +39,14 @@ def hf_generate(target, prompt, stop):
     return out[0, len(prompt):].tolist()
 
 
+def left_padded(prompts, pad):
+    """[B, width] ids with the prompts left-padded, and their attention mask."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width) >= width - torch.tensor([len(p) for p in prompts])[:, None]).long()
+    return ids, mask
+
+
 # complete rows leave the batch at once (0), once half of it (0.5), or only when all are complete (1)
 COMPACTIONS = [0.0, 0.5, 1.0]
 
@@ -135,9 +143,8 @@ def test_bf16_copy_groups_query_heads_at_decode_and_masks_left_pads(target, prom
     twin = bf16_copy(target.model)
     assert twin.config._attn_implementation == PACKED_SDPA and target.model.config._attn_implementation == "sdpa"
     stop, pad = frequent_stop(target, prompts), target.tokenizer.pad_token_id
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width) >= width - torch.tensor([len(p) for p in prompts])[:, None]).long()
+    ids, mask = left_padded(prompts, pad)
+    width = ids.shape[1]
     with torch.no_grad():  # a left-padded row reads as the row alone (bf16's rounding apart), pads unattended
         padded = twin(ids, attention_mask=mask).logits[0, -1].float()
         alone = twin(torch.tensor([prompts[0]])).logits[0, -1].float()
@@ -183,13 +190,6 @@ def kernel_calls(monkeypatch) -> list[int]:
     spy = type("Spy", (), {"decode_attention": staticmethod(lambda *a: calls.append(a[1].shape[2]) or real(*a))})
     monkeypatch.setattr(kernel_module, "kernel", lambda: spy)
     return calls
-
-
-def left_padded(prompts, pad):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width) >= width - torch.tensor([len(p) for p in prompts])[:, None]).long()
-    return ids, mask
 
 
 def test_bf16_copy_decodes_through_the_attention_kernel(wide_heads, prompts, monkeypatch):

@@ -202,11 +202,15 @@ def sdpa_packed_at_decode(module, query: Tensor, key: Tensor, value: Tensor, att
         return grouped_sdpa_forward(module, query, key, value, attention_mask, **kwargs)
     if query.shape[2] != 1 or groups == 1 or kwargs.get("dropout"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return grouped_decode_sdpa(query, key, value, attention_mask, kwargs.get("scaling")), None
+
+
+def grouped_decode_sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scale: float | None) -> Tensor:
+    """A decode step through PyTorch's SDPA, query [B, H, 1, D] grouped per key head -> [B, 1, H, D]."""
     B, H, _, D = query.shape
-    grouped = query.reshape(B, H // groups, groups, D)  # [B, Hkv, H/Hkv, D]: a key head's queries as rows
-    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
-                                         scale=kwargs.get("scaling"))  # mask [B, 1, 1, T] broadcasts
-    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None  # [B, 1, H, D], as HF's attention returns
+    grouped = query.reshape(B, key.shape[1], H // key.shape[1], D)  # [B, Hkv, H/Hkv, D]: a key head's queries
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)  # mask [B, 1, 1, T]
+    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous()  # [B, 1, H, D], as HF's attention returns
 
 
 class ContiguousLinear:
