@@ -171,6 +171,15 @@ def test_bench_attention_refuses_heads_that_do_not_group(script, capsys):
     assert exit_.value.code == 2 and "--heads 8 is not a multiple of --kv-heads 3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", [["--kv-heads", "0"], ["--lengths", "100", "0"], ["--repeats", "0"]])
+def test_bench_attention_refuses_sizes_below_one(script, capsys, bad):
+    with pytest.raises(SystemExit) as exit_:
+        script("bench_attention").main(bad)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.strip().splitlines() == [
+        "error: --batch, --heads, --kv-heads, --lengths and --repeats must be >= 1"]
+
+
 def test_bench_layouts_refuses_zero_rows(script, capsys):
     with pytest.raises(SystemExit) as exit_:
         script("bench_layouts").main(["--target", "tiny-random", "--rows", "0"])
