@@ -10,7 +10,6 @@ layer per cached length, and last the SDPA time over the kernel's at the longest
 """
 
 import argparse
-import sys
 
 import bench_common as bc
 import torch
@@ -29,11 +28,6 @@ def inputs(batch: int, heads: int, kv_heads: int, dim: int, length: int, dtype: 
     return query, key, value, mask
 
 
-def bad_input(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=128)
@@ -45,11 +39,11 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     if min(args.batch, args.heads, args.kv_heads, args.repeats, *args.lengths) < 1:
-        bad_input("--batch, --heads, --kv-heads, --lengths and --repeats must be >= 1")
+        bc.bad_input("--batch, --heads, --kv-heads, --lengths and --repeats must be >= 1")
     if args.heads % args.kv_heads:
-        bad_input(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+        bc.bad_input(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     if not available():
-        bad_input("the decode-attention kernel needs AVX-512 and a C++ compiler, which this machine lacks")
+        bc.bad_input("the decode-attention kernel needs AVX-512 and a C++ compiler, which this machine lacks")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     scale = args.head_dim ** -0.5
     rows = []

@@ -58,14 +58,19 @@ def headline(ratio: float, what: str) -> None:
     print(f"{what}: {ratio:.2f}x")
 
 
+def bad_input(message: str) -> None:
+    """One `error:` line on stderr and exit 2: how every benchmark refuses bad arguments."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def check_device(name: str) -> None:
     """A --device this machine has, else one `error:` line and exit 2 (not torch's traceback)."""
     from headway.heads.target import device_problem
 
     problem = device_problem(name)
     if problem:
-        print(f"error: --device {name} {problem}: use --device cpu, or a device this machine has", file=sys.stderr)
-        sys.exit(2)
+        bad_input(f"--device {name} {problem}: use --device cpu, or a device this machine has")
 
 
 def load_bench_target(name: str, device: str = "cpu", dtype: str | None = "auto"):
@@ -78,8 +83,7 @@ def load_bench_target(name: str, device: str = "cpu", dtype: str | None = "auto"
         spec.dtype = dtype or spec.dtype  # None: the preset's
         return load_target(spec, device=device)
     except TargetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        bad_input(str(exc))
 
 
 def bench_prompts(tokenizer, sets: list[str], per_set: int | None) -> list[tuple[str, list[int]]]:

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_common as bc
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -102,11 +104,11 @@ def main(argv=None) -> int:
             if entry in BF16_ENTRIES:
                 continue
             if layout not in LAYOUTS:
-                bad_input(f"--weight-layouts {entry}: use one of {', '.join(LAYOUTS)}")
+                bc.bad_input(f"--weight-layouts {entry}: use one of {', '.join(LAYOUTS)}")
             if gemm and gemm not in BACKENDS + (SDPA,):
-                bad_input(f"--weight-layouts {entry}: after ':' name the GEMM ({', '.join(BACKENDS)}) or {SDPA}")
+                bc.bad_input(f"--weight-layouts {entry}: after ':' name the GEMM ({', '.join(BACKENDS)}) or {SDPA}")
     elif args.stage == "prompts":
-        bad_input("--stage prompts compares --weight-layouts (the vLLM comparison answers prompts)")
+        bc.bad_input("--stage prompts compares --weight-layouts (the vLLM comparison answers prompts)")
     else:
         try:
             resolve_backend("vllm", args.vllm_python)
@@ -144,11 +146,6 @@ SDPA = "sdpa"  # after a layout or bf16: a decode step's attention through PyTor
 BF16_ENTRIES = (BF16, "bf16:hf-attention", f"bf16:{SDPA}")  # ... with transformers' own attention, with SDPA
 
 
-def bad_input(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def compare_layouts(args, target, rows) -> int:
     """The HF path once per weight layout (the data build's `weight_layout` setting), same prompts and settings;
     last line: last layout / first."""
@@ -169,7 +166,7 @@ def compare_layouts(args, target, rows) -> int:
             with forced_backend(gemm) if gemm and gemm != SDPA else nullcontext():
                 pass
         except ValueError as exc:  # why this target or machine cannot run it
-            bad_input(f"--weight-layouts {entry}: {exc}")
+            bc.bad_input(f"--weight-layouts {entry}: {exc}")
     rates, first = [], None
     try:
         with tempfile.TemporaryDirectory() as tmp:
