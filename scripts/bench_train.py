@@ -21,6 +21,8 @@ per token can be checked to grow no worse than linearly with the sequence length
     python scripts/bench_train.py --precision                       # the defaults' step: fp32 vs bf16 autocast
     python scripts/bench_train.py --allocator --prompt-share 0.26   # the defaults' step: freed memory kept vs returned
     python scripts/bench_train.py --attention --prompt-share 0.26   # EAGLE, EAGLE-3: chain attention vs a dense mask
+    python scripts/bench_train.py --muon --heads eagle3 --prompt-share 0.26   # optim=muon: orthogonalised in bf16 vs fp32
+    ONEDNN_MAX_CPU_ISA=AVX2 python scripts/bench_train.py --muon --heads eagle3 --prompt-share 0.26   # as on a CPU without bf16
 
 With --precision, each head's default step (training vocabulary) runs in fp32 and under bf16 autocast
 (precision=bf16, what precision=auto picks on a GPU and on a CPU with AMX), interleaved; the last line is
@@ -35,6 +37,12 @@ With --attention, the heads that unroll a training-time test (EAGLE, EAGLE-3) ta
 precision the default job picks here, freed memory kept) with the unroll's attention as chain_attention computes
 it (heads.kernels.chain_attention, the default) and as SDPA with the dense chain mask (before), interleaved; the
 last line is EAGLE's chain / dense tokens/s.
+
+With --muon, each head's default step (in the precision the default job picks here, freed memory kept) runs with
+`optim=muon` (conf/optim/muon.yaml: Muon on the hidden matrices, AdamW on the rest) orthogonalising in bf16
+(torch.optim.Muon) and in fp32 (train/muon.py), and with AdamW alone for scale, interleaved; the last line is the
+first head's fp32 / bf16 tokens/s. ONEDNN_MAX_CPU_ISA=AVX2 (or AVX512_CORE) makes oneDNN emulate bf16 as on a CPU
+without bf16 instructions (the head's step then runs in fp32, as the job's precision=auto picks there).
 """
 
 from __future__ import annotations
@@ -78,6 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--allocator-child", choices=ALLOCATOR_MODES, help=argparse.SUPPRESS)  # one timed side
     p.add_argument("--attention", action="store_true",
                    help="EAGLE, EAGLE-3 default step: the unroll's chain attention vs SDPA with a dense mask")
+    p.add_argument("--muon", action="store_true",
+                   help="the default head step with optim=muon: orthogonalised in bf16 (torch) vs fp32")
     p.add_argument("--quick", action="store_true", help="tiny random target, lengths 32 and 64 (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -173,18 +183,24 @@ def time_features(target, batch, layers, args, cache_dir: Path):
     return online, offline, online_mem.peak, offline_mem.peak, feats
 
 
-def time_head(head, batch, feats, args, autocast: torch.dtype | None = None):
-    """-> (seconds per step, peak bytes) for forward + backward + AdamW step of the head alone; `autocast`: the
-    forward under torch.autocast to that dtype (mixed precision: the weights and the optimizer stay fp32)."""
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+def adamw(head) -> list[torch.optim.Optimizer]:
+    return [torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)]
+
+
+def time_head(head, batch, feats, args, autocast: torch.dtype | None = None, optimizers=adamw):
+    """-> (seconds per step, peak bytes) for forward + backward + optimizer step of the head alone; `autocast`: the
+    forward under torch.autocast to that dtype (mixed precision: the weights and the optimizer stay fp32);
+    `optimizers(head)` -> the optimizers stepped (default: AdamW over every trained parameter)."""
+    opts = optimizers(head)
     device_type = torch.device(args.device).type
 
     def step():
         with torch.autocast(device_type, dtype=autocast or torch.float32, enabled=autocast is not None):
             loss = head(batch["input_ids"], batch["loss_mask"], feats).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     step()  # warm-up (also allocates the optimizer state)
     with PeakMemory(args.device) as mem:
@@ -225,6 +241,8 @@ def main(argv=None) -> None:
         precision(target, args)
     elif args.attention:
         attention(target, args)
+    elif args.muon:
+        muon(target, args)
     else:
         vocabulary(target, args)
 
@@ -360,6 +378,46 @@ def attention(target, args) -> None:
         speedup[kind] = best["dense mask"] / best["chain"]
         del head
     report_speedups(rows, "\n(best of 3 interleaved repeats)", speedup, "chain attention", "a dense mask")
+
+
+def muon(target, args) -> None:
+    """Head step tokens/s of the defaults with optim=muon orthogonalising in bf16 and in fp32, and with AdamW alone."""
+    from headway.heads.kernels.allocator import keep_freed_memory
+    from headway.train.loop import make_optimizers
+    from headway.train.muon import orthogonalisation_dtype
+
+    keep_freed_memory()  # as the training job steps
+    autocast = job_autocast(args)
+    optim = OmegaConf.load(bc.REPO / "conf" / "optim" / "muon.yaml")
+    print(f"head step only (forward + backward + optimizers), defaults, {'bf16 autocast' if autocast else 'fp32'}, "
+          f"batch {args.vocab_batch} x {args.vocab_length} tokens, {args.steps} timed steps per point; optim=muon "
+          f"orthogonalising in bf16 and in fp32, and AdamW alone, interleaved")
+
+    def muon_in(dtype: torch.dtype):
+        def optimizers(head):
+            opts = make_optimizers(head, optim)  # [Muon (hidden matrices), AdamW (the rest)]
+            opts[0].orthogonalise_in = dtype
+            return opts
+        return optimizers
+
+    batch = make_batch(target, args.vocab_length, args.vocab_batch, args.device, args.prompt_share)
+    tokens = args.vocab_batch * args.vocab_length
+    sides = {"muon, bf16": muon_in(torch.bfloat16), "muon, fp32": muon_in(torch.float32), "adamw alone": adamw}
+    rows, speedup = [], {}
+    for kind in args.heads:
+        head, feats = default_head(kind, target, batch, args)
+        best = best_interleaved({name: (lambda o=opts, h=head: time_head(h, batch, feats, args, autocast, o)[0])
+                                 for name, opts in sides.items()})
+        rows += [{"head": kind, "optimizer": name, "head ms/step": 1e3 * t, "train tok/s": tokens / t}
+                 for name, t in best.items()]
+        speedup[kind] = best["muon, bf16"] / best["muon, fp32"]
+        del head
+    print(f"optim=muon orthogonalises in {str(orthogonalisation_dtype(torch.device(args.device)))[6:]} here")
+    bc.print_table(rows, "\n(best of 3 interleaved repeats)")
+    for kind, ratio in speedup.items():
+        print(f"{kind}: orthogonalised in fp32 {ratio:.2f}x the tokens/s of bf16")
+    bc.headline(speedup[args.heads[0]], f"{args.heads[0]} head step with optim=muon, orthogonalised in fp32 vs bf16 "
+                                        f"(tokens/s)")
 
 
 def allocator(args, argv) -> None:

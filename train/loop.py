@@ -38,6 +38,7 @@ from headway.train.data.batching import LengthGroupedBatches, example_lengths
 from headway.train.data.capture import capture_plan
 from headway.train.ema import WeightAverage
 from headway.train.metrics import MetricsLog
+from headway.train.muon import Muon
 from headway.train.threads import use_cpu_threads
 
 log = get_logger(__name__)
@@ -277,8 +278,9 @@ def load_frozen_target(accelerator: Accelerator, cfg: DictConfig):
 def make_optimizers(head: DraftHead, optim: DictConfig) -> list[torch.optim.Optimizer]:
     """AdamW; weight decay on matrices only (nanoGPT): norms and biases are not decayed. Trained read-outs
     (`lm_head` rows that start as the target's) learn at lr x `optim.readout_lr_scale`.
-    `optim.name=muon`: Muon (orthogonalised momentum, torch.optim.Muon, its update scaled to AdamW's RMS so
-    the same lr and weight decay apply) for the hidden weight matrices, AdamW for read-outs, norms, biases;
+    `optim.name=muon`: Muon (orthogonalised momentum, torch.optim.Muon's step, orthogonalised in fp32 on CPUs
+    that would emulate bf16 (train/muon.py), its update scaled to AdamW's RMS so the same lr and weight decay
+    apply) for the hidden weight matrices, AdamW for read-outs, norms, biases;
     `optim.muon_lr_scale`, `optim.muon_weight_decay` and `optim.muon_ns_steps` tune the Muon group alone."""
     params = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
     readouts = [p for n, p in params if "lm_head" in n]
@@ -293,8 +295,8 @@ def make_optimizers(head: DraftHead, optim: DictConfig) -> list[torch.optim.Opti
     if optim.name == "muon" and hidden:
         decay = optim.weight_decay if optim.muon_weight_decay is None else optim.muon_weight_decay
         muon_group = {"params": hidden, "lr_scale": optim.muon_lr_scale}  # set_lr applies the scale each step
-        optimizers.insert(0, torch.optim.Muon([muon_group], lr=optim.lr, weight_decay=decay,
-                                              ns_steps=optim.muon_ns_steps, adjust_lr_fn="match_rms_adamw"))
+        optimizers.insert(0, Muon([muon_group], lr=optim.lr, weight_decay=decay, ns_steps=optim.muon_ns_steps,
+                                  adjust_lr_fn="match_rms_adamw"))
     return optimizers
 
 

@@ -13,6 +13,7 @@ name; a record from another CPU, another version of the choice or a damaged file
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -24,8 +25,15 @@ from headway.heads.files import write_json_atomic
 from headway.heads.kernels.quiet import measure_until_quiet
 
 
+BF16_ISA_MARKS = ("BF16", "FP16", "AMX", "AVX10")  # oneDNN ISA names that include bf16 dot products
+
+
 def cpu_multiplies_bf16() -> bool:
-    """The CPU has AMX tiles or AVX512-BF16 dot products (bf16 in hardware, not emulated)."""
+    """The CPU has AMX tiles or AVX512-BF16 dot products (bf16 in hardware, not emulated) and oneDNN may use them:
+    with ONEDNN_MAX_CPU_ISA capped below them (AVX2, AVX512_CORE, ...) oneDNN emulates bf16, as on a CPU without."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    if cap != "ALL" and not any(mark in cap for mark in BF16_ISA_MARKS):
+        return False
     return any(getattr(torch.cpu, probe, lambda: False)()
                for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
 

@@ -136,6 +136,17 @@ def test_bench_train_attention(script, capsys):
     assert float(HEADLINE.search(lines[-1])[0][2:-1]) == pytest.approx(ratio, abs=0.02)
 
 
+def test_bench_train_muon(script, capsys):
+    """optim=muon orthogonalising in bf16 and in fp32, and AdamW alone, per head; the headline is the first head's
+    bf16 / fp32 step time from that table."""
+    lines = run(script("bench_train"), ["--quick", "--muon", "--heads", "eagle3", "mtp"], capsys)
+    rows = {(r[0], r[-3]): float(r[-2]) for r in map(str.split, lines[:-1]) if r[:1] in (["eagle3"], ["mtp"])}
+    assert set(rows) == {(h, o) for h in ("eagle3", "mtp") for o in ("bf16", "fp32", "alone")}
+    assert lines[-1].startswith("eagle3 head step with optim=muon, orthogonalised in fp32 vs bf16")
+    ratio = rows["eagle3", "bf16"] / rows["eagle3", "fp32"]
+    assert float(HEADLINE.search(lines[-1])[0][2:-1]) == pytest.approx(ratio, abs=0.02)
+
+
 def test_bench_train_attention_without_an_unrolling_head_is_one_error_line(script, capsys):
     with pytest.raises(SystemExit) as exit_:
         script("bench_train").main(["--quick", "--attention", "--heads", "medusa", "mtp"])

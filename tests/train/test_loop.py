@@ -123,11 +123,12 @@ def test_muon_trains_hidden_matrices_and_resumes_like_an_uninterrupted_run(tmp_p
     from headway.heads.target import load_target
     from omegaconf import OmegaConf
     from headway.train.loop import make_optimizers
+    from headway.train.muon import Muon
 
     cfg = compose_train("head=eagle3", "experiment=smoke", "optim=muon")
     head = build_head("eagle3", load_target({"path": "tiny-random", "name": "tiny-random"}))
     muon, adamw = make_optimizers(head, cfg.optim)
-    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)  # Muon: fp32 where bf16 is emulated
     in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
     names = {n for n, p in head.named_parameters() if id(p) in in_muon}
     assert "fc.weight" in names and "midlayer.self_attn.q_proj.weight" in names and "lm_head.weight" not in names
