@@ -1,10 +1,10 @@
 """Muon whose Newton-Schulz orthogonalisation runs in a dtype the hardware multiplies fast.
 
 torch.optim.Muon orthogonalises every update in bf16. GPUs and CPUs with AMX or AVX512-BF16 multiply bf16 in
-hardware; other CPUs (AVX2, or AVX-512 without BF16) emulate it, and there one orthogonalisation of a 576 x 1536
-matrix (5 iterations) is ~25x slower than in fp32 with AVX2 alone and ~2.6x with AVX-512 (docs/training.md,
-`python scripts/bench_train.py --muon`). On those CPUs this optimizer runs the same iteration in fp32, which is
-also closer to the exact orthogonal factor; elsewhere it is torch.optim.Muon unchanged.
+hardware; other CPUs (AVX2, or AVX-512 without BF16) emulate it, and there EAGLE-3's training step took 12x as long
+as with the same iterations in fp32 (docs/benchmarks.md, `python scripts/bench_train.py --muon`). On those CPUs this
+optimizer runs the iterations in fp32, which is also closer to the exact orthogonal factor; elsewhere it is
+torch.optim.Muon unchanged.
 """
 
 from __future__ import annotations
