@@ -49,19 +49,22 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon with the orthogonalisation in `orthogonalise_in` (default: what the device of the first
-    parameter multiplies fast, see orthogonalisation_dtype). State and param groups are torch.optim.Muon's, so
-    checkpoints load into either."""
+    """torch.optim.Muon with the orthogonalisation in `orthogonalise_in` (None, the default: what the parameters'
+    device multiplies fast, decided at each step, as the job moves the head to its device after building this).
+    State and param groups are torch.optim.Muon's, so checkpoints load into either."""
 
     def __init__(self, params, *, orthogonalise_in: torch.dtype | None = None, **kwargs):
         super().__init__(params, **kwargs)
-        first = self.param_groups[0]["params"][0]
         # an attribute, not a group key: a resumed run's param groups are replaced by the checkpoint's
-        self.orthogonalise_in = orthogonalise_in or orthogonalisation_dtype(first.device)
+        self.orthogonalise_in = orthogonalise_in
+
+    def iteration_dtype(self) -> torch.dtype:
+        return self.orthogonalise_in or orthogonalisation_dtype(self.param_groups[0]["params"][0].device)
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.orthogonalise_in == torch.bfloat16:
+        dtype = self.iteration_dtype()
+        if dtype == torch.bfloat16:
             return super().step(closure)  # exactly torch.optim.Muon
         loss = None
         if closure is not None:
@@ -69,10 +72,10 @@ class Muon(torch.optim.Muon):
                 loss = closure()
         for group in self.param_groups:
             for p in (p for p in group["params"] if p.grad is not None):
-                self._update(p, group)
+                self._update(p, group, dtype)
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
+    def _update(self, p: torch.Tensor, group: dict, dtype: torch.dtype) -> None:
         """One parameter's step, as torch.optim.Muon takes it: Nesterov momentum, orthogonalise, decoupled weight
         decay, the lr adjusted to the matrix's shape."""
         state = self.state[p]
@@ -81,8 +84,7 @@ class Muon(torch.optim.Muon):
         buf, momentum = state["momentum_buffer"], group["momentum"]
         buf.lerp_(p.grad, 1 - momentum)
         update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-        update = orthogonalise(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                               self.orthogonalise_in)
+        update = orthogonalise(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
         lr = float(group["lr"])
         p.mul_(1 - lr * group["weight_decay"])
         p.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))

@@ -64,7 +64,7 @@ def test_orthogonalise_matches_torchs_iteration_in_bf16_and_is_more_exact_in_fp3
 def test_cpu_orthogonalises_in_bf16_only_where_it_multiplies_bf16(monkeypatch, has_bf16, expected):
     monkeypatch.setattr(headway_muon, "cpu_multiplies_bf16", lambda: has_bf16)
     assert orthogonalisation_dtype(torch.device("cpu")) == expected
-    assert Muon(matrices(), lr=1e-3).orthogonalise_in == expected
+    assert Muon(matrices(), lr=1e-3).iteration_dtype() == expected  # decided for the parameters' device
 
 
 def test_checkpoints_move_between_torchs_muon_and_ours():
