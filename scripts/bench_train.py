@@ -412,7 +412,7 @@ def muon(target, args) -> None:
                  for name, t in best.items()]
         speedup[kind] = best["muon, bf16"] / best["muon, fp32"]
         del head
-    print(f"optim=muon orthogonalises in {str(orthogonalisation_dtype(torch.device(args.device)))[6:]} here")
+    print(f"optim=muon orthogonalises in {str(orthogonalisation_dtype(torch.device(args.device))).replace('torch.', '')} here")
     bc.print_table(rows, "\n(best of 3 interleaved repeats)")
     for kind, ratio in speedup.items():
         print(f"{kind}: orthogonalised in fp32 {ratio:.2f}x the tokens/s of bf16")

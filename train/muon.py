@@ -50,7 +50,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon with the orthogonalisation in `orthogonalise_in` (None, the default: what the parameters'
-    device multiplies fast, decided at each step, as the job moves the head to its device after building this).
+    device multiplies fast, decided at the first step, as the job moves the head to its device after building this).
     State and param groups are torch.optim.Muon's, so checkpoints load into either."""
 
     def __init__(self, params, *, orthogonalise_in: torch.dtype | None = None, **kwargs):
@@ -59,7 +59,9 @@ class Muon(torch.optim.Muon):
         self.orthogonalise_in = orthogonalise_in
 
     def iteration_dtype(self) -> torch.dtype:
-        return self.orthogonalise_in or orthogonalisation_dtype(self.param_groups[0]["params"][0].device)
+        if self.orthogonalise_in is None:  # once: the parameters stay on their device from the first step on
+            self.orthogonalise_in = orthogonalisation_dtype(self.param_groups[0]["params"][0].device)
+        return self.orthogonalise_in
 
     @torch.no_grad()
     def step(self, closure=None):
