@@ -414,9 +414,6 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, device
               trust_remote_code: bool = False) -> DraftHead:
     """Rebuild a head from its folder. Without `target`, the target recorded in the folder is loaded, with
     `trust_remote_code` as the caller says (never as the folder says: see heads.target.recorded_spec)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     from headway.heads.target import load_target, recorded_spec
 
     config = read_head_config(directory)
@@ -432,20 +429,28 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, device
         raise HeadError(f"{directory} holds an unknown head kind {kind!r}")
     head = HEAD_REGISTRY[kind](target.config, **config["options"])
     head.attach(target)
+    load_weights(head, directory)
+    head.acceptance = recorded_acceptance(config)
+    dtype = next(target.model.parameters()).dtype
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def load_weights(head: DraftHead, directory: str | os.PathLike) -> None:
+    """Fill `head` (built, attached) with the weights and training token counts of the head folder `directory`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     try:
         state = load_file(str(Path(directory) / WEIGHTS_NAME))
     except (SafetensorError, OSError) as exc:
         raise HeadError(f"{Path(directory) / WEIGHTS_NAME} is corrupted or unreadable ({exc}): "
                         f"re-export or re-train the head") from exc
-    check_shapes(state, head.state_dict(), directory, kind)
+    check_shapes(state, head.state_dict(), directory, head.kind)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise HeadError(f"{directory} does not match a {kind} head with these options: "
+        raise HeadError(f"{directory} does not match a {head.kind} head with these options: "
                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    head.token_counts = _load_counts(Path(directory) / COUNTS_NAME, target.config.vocab_size)
-    head.acceptance = recorded_acceptance(config)
-    dtype = next(target.model.parameters()).dtype
-    return head.to(device=device, dtype=dtype).eval()
+    head.token_counts = load_counts(directory, head.target_config.vocab_size)
 
 
 def recorded_acceptance(config: dict) -> list[float]:
@@ -458,11 +463,12 @@ def recorded_acceptance(config: dict) -> list[float]:
     return rates
 
 
-def _load_counts(path: Path, vocab_size: int) -> Tensor | None:
-    """The training token counts saved with a head (heads saved before they were kept have none)."""
+def load_counts(directory: str | os.PathLike, vocab_size: int) -> Tensor | None:
+    """The training token counts saved with a head folder (heads saved before they were kept have none)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    path = Path(directory) / COUNTS_NAME
     if not path.is_file():
         return None
     try:

@@ -92,6 +92,7 @@ class TrainConfig:
     train: LoopConfig = MISSING
     logger: LoggerConfig = MISSING
     resume: Optional[str] = None  # null | latest (newest checkpoint of this run dir) | a checkpoint or run dir
+    init_from: Optional[str] = None  # a trained head folder to start from (fine-tuning; train/warm_start.py)
     device: str = "auto"  # auto (GPU when present) | cpu
     precision: str = "auto"  # mixed precision: auto (bf16 on GPU and on a CPU with AMX or AVX512-BF16, else none) | no | bf16 | fp16
     cpu_threads: str = "auto"  # on CPU: auto (physical cores / local processes) | N threads per process

@@ -40,6 +40,7 @@ from headway.train.ema import WeightAverage
 from headway.train.metrics import MetricsLog
 from headway.train.muon import Muon
 from headway.train.threads import use_cpu_threads
+from headway.train.warm_start import init_folder, start_from
 
 log = get_logger(__name__)
 
@@ -207,6 +208,7 @@ def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
     """Frozen target, data, head (seeing the data first), optimizer, loaders; then `prepare` the head side
     only: the target stays outside the wrapper, the optimizer and the checkpoints."""
     t = cfg.train
+    start = init_folder(cfg.init_from, cfg.head.kind)  # checked before the (possibly long) data build
     target = load_frozen_target(accelerator, cfg)
     check_fits_context(t.max_length, target.config)
     set_seed(t.seed)  # the same head initialisation on every rank
@@ -217,6 +219,8 @@ def setup(cfg: DictConfig, accelerator: Accelerator) -> Job:
                                       main_process_first=accelerator.main_process_first, capture=capture)
     head.token_counts = token_counts(train_ds, target.config.vocab_size)  # saved: the draft vocabulary
     head.init_from_data(head.token_counts)
+    if start is not None:
+        start_from(head, start, target)
     data_cfg = with_hidden_cache(cfg.data, accelerator, target, [train_ds, val_ds], head.feature_layers())
     features = make_feature_source(data_cfg, target, head.feature_layers())
     optimizers = make_optimizers(head, optimizer_config(cfg, accelerator))
@@ -503,6 +507,7 @@ def recipe(cfg: DictConfig, job: Job, step: int, state: dict) -> dict:
         "effective_batch_size": t.batch_size * t.grad_accum * accelerator.num_processes,
         "max_length": t.max_length,
         "seed": t.seed,
+        "init_from": cfg.init_from,  # the head it started from (None: a fresh head)
         "ema_decay": job.ema.decay if job.ema else None,  # what the weights are (None: as trained)
         "data": OmegaConf.to_container(cfg.data, resolve=True),
         "tokens_seen": state["tokens_seen"],

@@ -17,6 +17,7 @@ SHORT = ["experiment=smoke", "train.max_steps=2", "train.eval_every=2", "train.s
     (["head=nope"], "head 'nope'"),
     (["head=eagle", "experiment=smoke", "target.path=/no/such/model"], "/no/such/model"),
     (["head=medusa", "experiment=smoke", "optim.lr=0"], "optim.lr"),
+    (["head=eagle", "experiment=smoke", "init_from=/no/such/head"], "init_from=/no/such/head"),
 ])
 def test_bad_input_exits_nonzero_with_one_clear_line_and_no_head(args, named, tmp_path):
     run_dir = tmp_path / "run"

@@ -1,0 +1,45 @@
+"""init_from: a run starts from a trained head's weights and draft vocabulary, not from a fresh head."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from headway.heads.base import read_head_config
+from headway.train.config import ConfigError
+from headway.train.loop import train
+from train_helpers import compose_train
+
+SMOKE = ["experiment=smoke", "train.save_every=0", "train.eval_every=0"]
+
+
+def weights(run_dir):
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("head", ["eagle", "eagle3"])
+def test_a_run_starts_from_the_heads_weights_and_keeps_its_draft_vocabulary(head, tmp_path):
+    """The first head learns on 16 conversations; the second starts from it on all of them (other token
+    counts, so a fresh head would pick another vocabulary) with a learning rate too small to move anything:
+    it ends where the first ended, vocabulary included, and records where it started."""
+    first = train(compose_train(f"head={head}", *SMOKE, "data.max_conversations=16", run_dir=tmp_path / "a"))
+    args = [f"head={head}", *SMOKE, "train.max_steps=2"]
+    fresh = train(compose_train(*args, run_dir=tmp_path / "fresh"))
+    tuned = train(compose_train(*args, "optim.lr=1e-12", f"init_from={first / 'final'}", run_dir=tmp_path / "b"))
+
+    start, end, other = weights(first), weights(tuned), weights(fresh)
+    assert start.keys() == end.keys()
+    for name in start:
+        torch.testing.assert_close(end[name], start[name], rtol=0, atol=1e-6, msg=name)
+    counts = lambda run: load_file(str(run / "final" / "token_counts.safetensors"))["token_counts"]  # noqa: E731
+    assert torch.equal(counts(tuned), counts(first)) and not torch.equal(counts(fresh), counts(first))
+    assert any(not torch.allclose(other[n], start[n]) for n in start)  # a fresh head would not be there
+    assert read_head_config(tuned / "final")["training"]["init_from"] == str(first / "final")
+
+
+def test_init_from_rejects_another_heads_folder_before_building_anything(tmp_path):
+    first = train(compose_train("head=eagle", *SMOKE, "train.max_steps=1", run_dir=tmp_path / "a"))
+    with pytest.raises(ConfigError, match="holds a eagle head, but this run trains head=medusa"):
+        train(compose_train("head=medusa", *SMOKE, f"init_from={first / 'final'}", run_dir=tmp_path / "b"))
+    with pytest.raises(ConfigError, match="init_from=.*is not a head folder"):
+        train(compose_train("head=eagle", *SMOKE, f"init_from={tmp_path}", run_dir=tmp_path / "c"))
+    assert not (tmp_path / "b" / "final").exists() and not (tmp_path / "c" / "final").exists()

@@ -1,0 +1,55 @@
+"""`init_from=<head folder>`: start a run from a trained head instead of a fresh one.
+
+Fine-tuning a head on more or other data (a published head on your domain, a CPU head on a second draw of the
+data) keeps what it learnt: the run starts from the folder's weights and its draft vocabulary (the token counts
+it was trained with, so its read-out rows keep meaning the same tokens), with a fresh optimizer, learning-rate
+schedule and step count. The folder must hold a head of the run's kind, trained for a target of the same
+shapes; it is checked before any data is built. `resume` wins: a resumed run continues its own checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from headway.heads.base import DraftHead, HeadError, check_fits_target, load_counts, load_weights, read_head_config
+from headway.train.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def init_folder(init_from: str | None, kind: str) -> Path | None:
+    """The head folder to start from (None: a fresh head); a folder that cannot be one is a ConfigError."""
+    if init_from is None:
+        return None
+    folder = Path(init_from).expanduser()
+    try:
+        config = read_head_config(folder)
+    except HeadError as exc:
+        raise ConfigError(f"init_from={init_from}: {exc}") from None
+    if config["head_kind"] != kind:
+        raise ConfigError(f"init_from={init_from} holds a {config['head_kind']} head, but this run trains "
+                          f"head={kind}: pass head={config['head_kind']}, or a {kind} head's folder")
+    return folder
+
+
+def start_from(head: DraftHead, folder: Path, target) -> None:
+    """Give the freshly built `head` the weights and draft vocabulary of the head in `folder`."""
+    config = read_head_config(folder)
+    check_fits_target(config, target, folder)
+    differ = sorted(k for k in set(config["options"]) | set(head.options)
+                    if config["options"].get(k) != head.options.get(k))
+    if differ:
+        log.warning("init_from=%s: head options differ from this run's (%s); training with this run's",
+                    folder, ", ".join(differ))
+    data_counts = head.token_counts  # this run's, already seen by the head
+    counts = load_counts(folder, head.target_config.vocab_size)
+    if counts is not None:  # pick its vocabulary (EAGLE-3: the draft rows; others: the trained rows) first
+        head.token_counts = counts
+        head.init_from_data(counts)
+    load_weights(head, folder)
+    if counts is None:  # a head saved without counts: this run's data decides the vocabulary
+        head.token_counts = data_counts
+        log.warning("init_from=%s has no token counts: the draft vocabulary comes from this run's data", folder)
+    log.info("starting from the head in %s (its weights and draft vocabulary; a fresh optimizer and schedule)",
+             folder)
