@@ -430,13 +430,14 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, device
     head = HEAD_REGISTRY[kind](target.config, **config["options"])
     head.attach(target)
     load_weights(head, directory)
+    head.token_counts = load_counts(directory, target.config.vocab_size)
     head.acceptance = recorded_acceptance(config)
     dtype = next(target.model.parameters()).dtype
     return head.to(device=device, dtype=dtype).eval()
 
 
 def load_weights(head: DraftHead, directory: str | os.PathLike) -> None:
-    """Fill `head` (built, attached) with the weights and training token counts of the head folder `directory`."""
+    """Fill `head` (built, attached) with the weights of the head folder `directory`."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -450,7 +451,6 @@ def load_weights(head: DraftHead, directory: str | os.PathLike) -> None:
     if missing or unexpected:
         raise HeadError(f"{directory} does not match a {head.kind} head with these options: "
                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    head.token_counts = load_counts(directory, head.target_config.vocab_size)
 
 
 def recorded_acceptance(config: dict) -> list[float]:

@@ -42,14 +42,12 @@ def start_from(head: DraftHead, folder: Path, target) -> None:
     if differ:
         log.warning("init_from=%s: head options differ from this run's (%s); training with this run's",
                     folder, ", ".join(differ))
-    data_counts = head.token_counts  # this run's, already seen by the head
     counts = load_counts(folder, head.target_config.vocab_size)
-    if counts is not None:  # pick its vocabulary (EAGLE-3: the draft rows; others: the trained rows) first
+    if counts is None:  # a head saved without counts: this run's data (already seen) decides the vocabulary
+        log.warning("init_from=%s has no token counts: the draft vocabulary comes from this run's data", folder)
+    else:  # its vocabulary first (EAGLE-3: the draft rows; others: the trained rows), then its weights
         head.token_counts = counts
         head.init_from_data(counts)
     load_weights(head, folder)
-    if counts is None:  # a head saved without counts: this run's data decides the vocabulary
-        head.token_counts = data_counts
-        log.warning("init_from=%s has no token counts: the draft vocabulary comes from this run's data", folder)
     log.info("starting from the head in %s (its weights and draft vocabulary; a fresh optimizer and schedule)",
              folder)
