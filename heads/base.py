@@ -222,6 +222,11 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         V = self.target_config.vocab_size
         self._train_ids = None if size is None or size >= V else most_frequent(token_counts, size)
 
+    def carry_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A saved state of this kind, fitted to this head where its data-chosen sizes differ (`init_from`
+        with another draft vocabulary: EAGLE-3 overrides this). The base heads have none: as saved."""
+        return state
+
     def feature_layers(self) -> list[int]:
         """The hidden_states indices the head reads (the final-normed last one is always given)."""
         return [self.target_config.num_hidden_layers]
@@ -239,6 +244,8 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         return self.frozen["lm_head"](hidden)
 
     # ------------------------------------------------------------------- draft vocabulary (inference)
+    own_draft_vocab = False  # True: the head's own read-out scores only a vocabulary its training chose (EAGLE-3)
+
     def set_draft_vocab(self, size: int | None) -> None:
         """Draft among the `size` most frequent training tokens (ties, and heads saved without counts:
         lower ids first, i.e. BPE merge order, which tracks frequency); None or >= V: the whole vocabulary."""
@@ -251,6 +258,12 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
             raise HeadError(f"draft_vocab must be >= 1 (or null for the whole vocabulary), got {size}")
         counts = self.token_counts if self.token_counts is not None else torch.zeros(V, dtype=torch.long)
         self.draft_vocab = most_frequent(counts, size)
+
+    def draftable(self) -> Tensor:
+        """[V] bool: the target tokens a draft can propose (the draft vocabulary; all without one)."""
+        mask = torch.zeros(self.target_config.vocab_size, dtype=torch.bool)
+        mask[slice(None) if self.draft_vocab is None else self.draft_vocab.cpu()] = True
+        return mask
 
     def readout_rows(self, num_rows: int, row_ids: Tensor | None = None) -> int:
         """How many rows of a read-out matrix (num_rows rows scoring `row_ids`) a draft step reads."""
@@ -436,8 +449,9 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, device
     return head.to(device=device, dtype=dtype).eval()
 
 
-def load_weights(head: DraftHead, directory: str | os.PathLike) -> None:
-    """Fill `head` (built, attached) with the weights of the head folder `directory`."""
+def load_weights(head: DraftHead, directory: str | os.PathLike, carry: bool = False) -> None:
+    """Fill `head` (built, attached) with the weights of the head folder `directory`; `carry`: fitted by
+    `head.carry_state` first (a run started from a head with another draft vocabulary)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -446,6 +460,8 @@ def load_weights(head: DraftHead, directory: str | os.PathLike) -> None:
     except (SafetensorError, OSError) as exc:
         raise HeadError(f"{Path(directory) / WEIGHTS_NAME} is corrupted or unreadable ({exc}): "
                         f"re-export or re-train the head") from exc
+    if carry:
+        state = head.carry_state(state)
     check_shapes(state, head.state_dict(), directory, head.kind)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -65,6 +65,8 @@ def default_aux_layers(num_layers: int) -> list[int]:
 
 @register_head("eagle3")
 class Eagle3Head(OneLayerDrafting, DraftHead):
+    own_draft_vocab = True  # drafts never leave it; by default they use all of it (infer.drafters.build_drafter)
+
     def __init__(self, target_config, **options):
         opts = resolve_options("eagle3", DEFAULTS, options, {"init_layer": INIT_LAYER})
         positive_int("eagle3", opts, "draft_vocab_size", "ttt_steps", "eval_depths", "top_k")
@@ -126,6 +128,33 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         self.t2d[ids] = True
         if self.frozen:
             self.init_from_target()
+
+    def draftable(self) -> Tensor:  # its own read-out scores the draft_vocab_size rows only
+        return super().draftable() & self.t2d.cpu()
+
+    def carry_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A saved EAGLE-3 state with another draft vocabulary, on this head's (chosen first, by
+        init_from_data): a token both vocabularies hold keeps its trained read-out row. A token new here
+        starts from the target's row carried into the trained read-out's space: training moves the rows
+        away from the target's (cosine 0.67 after 8,000 steps on SmolLM2), so raw target rows give new
+        tokens logits far off the trained ones (a 16,384-token vocabulary grown from 8,192 that way started
+        at a KL of ~21 nats per step against ~0.8); the least-squares map from the target's rows to the
+        trained ones over the shared tokens predicts held-out trained rows at cosine ~0.94."""
+        saved_d2t = state["d2t"]
+        saved_ids = torch.arange(len(saved_d2t)) + saved_d2t  # [Vs] target id of each saved row
+        saved_row = torch.full((self.target_config.vocab_size,), -1, dtype=torch.long)
+        saved_row[saved_ids] = torch.arange(len(saved_ids))
+        draft_ids = self.draft_ids.cpu()
+        source = saved_row[draft_ids]  # [Vd] saved row of each draft token; -1: a new token
+        kept = source >= 0
+        target_rows = self.lm_head.weight.detach().cpu().float()  # [Vd, h] as init_from_target left them
+        weight = target_rows.clone()
+        weight[kept] = state["lm_head.weight"][source[kept]].float()
+        if kept.sum() > weight.shape[1] and not kept.all():  # enough shared rows for a well-posed [h, h] fit
+            to_trained = torch.linalg.lstsq(target_rows[kept], weight[kept]).solution
+            weight[~kept] = target_rows[~kept] @ to_trained
+        return {**state, "lm_head.weight": weight.to(state["lm_head.weight"].dtype),
+                "d2t": self.d2t.cpu(), "t2d": self.t2d.cpu()}
 
     # ------------------------------------------------------------------------------------ network
     def feature_layers(self) -> list[int]:

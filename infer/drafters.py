@@ -645,14 +645,16 @@ POLICIES = {"chain": Chain, "static": StaticTree, "dynamic": DynamicTree, "auto"
 
 
 def build_drafter(kind: str, target=None, *, head: DraftHead | None = None, draft_model=None,
-                  policy: str | None = None, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
+                  policy: str | None = None, draft_vocab: int | str | None = "auto",
                   **options) -> Drafter:
     """kind: "prompt_lookup" | "draft_model" | "head". Options go to the policy (chain: gamma, sample;
     static: choices, or accuracies (per-depth acceptance, e.g. an eval.json's acceptance_by_depth) +
     total_nodes + top_k; dynamic: total_tokens, depth, top_k; auto: acceptance, top_k, max_depth,
     draft_cost) or to PromptLookup (gamma, max_ngram, min_ngram). A head's default policy is `auto` (the
     tree sized for this machine, see AutoTree); a draft model's default is a chain. `draft_vocab`: a head
-    drafts among its `draft_vocab` most frequent training tokens (None: the whole vocabulary)."""
+    drafts among its `draft_vocab` most frequent training tokens (None: the whole vocabulary; "auto":
+    DEFAULT_DRAFT_VOCAB, except that a head with a draft vocabulary of its own, EAGLE-3, drafts over all of it,
+    as serving engines do)."""
     if kind == "prompt_lookup":
         return PromptLookup(**options)
     if kind == "draft_model":
@@ -666,6 +668,8 @@ def build_drafter(kind: str, target=None, *, head: DraftHead | None = None, draf
     if kind == "head":
         if head is None:
             raise HeadError("drafter=head needs a head (headway.heads.base.load_head(RUN/final))")
+        if draft_vocab == "auto":
+            draft_vocab = None if head.own_draft_vocab else DEFAULT_DRAFT_VOCAB
         head.set_draft_vocab(draft_vocab)
         return TreeDrafter(HeadProposer(head), _policy(policy or "auto", options))
     raise HeadError(f"unknown drafter {kind!r}: choose prompt_lookup, draft_model or head")

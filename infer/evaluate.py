@@ -17,10 +17,15 @@ It prints a table and writes OUTPUT/eval.json:
                                      (null at temperature > 0, where outputs differ by design)
      "draft", "weight_layout",       the tree the drafter planned; the engine's weight layout
                                      (heads.kernels.weight_layout; HF generate() always runs the stock one)
-     "step_ms": {"plain", "speculative", "drafting", "tree_forward", "accepting"}}
+     "step_ms": {"plain", "speculative", "drafting", "tree_forward", "accepting"},
                                      mean ms per step: the plain engine's, and a speculative step split
                                      into drafting, the target's forward over the tree, and accepting
                                      (verify, cache, commit); why speedup_vs_vanilla is what it is
+     "draft_vocab_coverage": {"draft_vocab", "by_size": {N: share}}}
+                                     a head's, greedy: the share of the target's reply tokens its drafts
+                                     can propose at all (the ceiling of depth-1 acceptance), and the
+                                     share inside its N most frequent training tokens (what a larger
+                                     draft vocabulary would cover); null for other drafters or sampling
 
 and OUTPUT/eval.png (acceptance by depth, tau by category). A baseline left out of `baselines` gets null.
 Bad input (a checkpoint for another target, a corrupted or missing safetensors file, an empty, malformed or
@@ -45,7 +50,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from headway.heads.base import HeadError, load_head, read_head_config
+from headway.heads.base import HeadError, load_head, most_frequent, read_head_config
 from headway.heads.files import atomic_path, write_text_atomic
 from headway.heads.target import TargetError, TargetSpec, device_problem, load_target, recorded_spec, target_preset
 from headway.infer.engine import CacheFullError, EngineError, Engine, GenerationStats, encode_prompts
@@ -202,6 +207,7 @@ class Tally:
     tokens: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     prompts: int = 0
+    replies: list[list[int]] = field(default_factory=list)  # plain decoding's tokens (greedy: the target's own)
 
     def add_steps(self, stats: GenerationStats) -> None:
         self.speculative.add(stats)
@@ -249,6 +255,8 @@ def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]],
         if "vanilla" in cfg.baselines or is_greedy(cfg.temperature):
             p = plain.generate([ids], **sampling, seed=cfg.seed + i)
             matches += int(p.tokens[0] == s.tokens[0])
+            if is_greedy(cfg.temperature):
+                total.replies.append(p.tokens[0])
             total.add_plain_steps(p.stats)
             total.add_time("vanilla", p.stats.new_tokens, p.stats.prefill_s + p.stats.decode_s)
         if "hf_generate" in cfg.baselines:
@@ -259,7 +267,24 @@ def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]],
     return total, by_cat, matches
 
 
-def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: int, draft: dict | None = None) -> dict:
+COVERAGE_SIZES = (4096, 8192, 16384, 32768)  # draft vocabulary sizes a greedy evaluation reports coverage for
+
+
+def draft_vocab_coverage(head, replies: list[list[int]]) -> dict | None:
+    """Of the target's greedy reply tokens, the share a head's drafts can propose at all, and the share inside
+    its N most frequent training tokens for COVERAGE_SIZES (chosen as a draft vocabulary of N would be). A
+    token outside can never be accepted, so a prompt set far from the training data shows here first."""
+    counts = getattr(head, "token_counts", None)
+    tokens = torch.tensor([t for reply in replies for t in reply], dtype=torch.long)
+    if counts is None or tokens.numel() == 0:
+        return None
+    share = lambda ids: torch.isin(tokens, ids).float().mean().item()  # noqa: E731
+    by_size = {n: share(most_frequent(counts, n)) for n in COVERAGE_SIZES if n < counts.numel()}
+    return {"draft_vocab": head.draftable()[tokens].float().mean().item(), "by_size": by_size}
+
+
+def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: int, draft: dict | None = None,
+            coverage: dict | None = None) -> dict:
     """The eval.json dict (schema in the module docstring)."""
     tps = {m: total.tokens_per_second(m) for m in ("speculative", *BASELINES)}
     if "vanilla" not in cfg.baselines:
@@ -280,6 +305,7 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "draft": draft or {},  # the drafter and, for planned trees, the size and the speedup it predicted
         "weight_layout": current_layout(target.model),  # the engines' (HF generate() runs the stock one)
         "step_ms": total.step_ms(),
+        "draft_vocab_coverage": coverage,
     }
 
 
@@ -304,6 +330,10 @@ def print_report(res: dict, out=print) -> None:
         out("draft: " + ", ".join(f"{k} {v}" for k, v in res["draft"].items()))
     if res.get("step_ms", {}).get("speculative") is not None:
         out(step_line(res["step_ms"]))
+    if res.get("draft_vocab_coverage"):
+        cov = res["draft_vocab_coverage"]
+        out(f"reply tokens the drafts can propose: {cov['draft_vocab']:.1%} (inside the N most frequent training "
+            "tokens: " + ", ".join(f"{n:,} {share:.1%}" for n, share in cov["by_size"].items()) + ")")
 
 
 def step_line(ms: dict) -> str:
@@ -405,7 +435,8 @@ def evaluate(cfg, out=print) -> dict:
     out(f"evaluating {head_name} on {target.spec.name}: {len(rows)} prompts from {cfg.prompts}, "
         f"temperature {cfg.temperature}, max_new_tokens {cfg.max_new_tokens}, {device}")
     total, by_cat, matches = measure(cfg, target, drafter, rows, prompt_ids, out)
-    res = results(cfg, target, head_name, total, by_cat, matches, drafter.describe())
+    coverage = draft_vocab_coverage(getattr(getattr(drafter, "proposer", None), "head", None), total.replies)
+    res = results(cfg, target, head_name, total, by_cat, matches, drafter.describe(), coverage)
     print_report(res, out)
     written = write_results(res, output, cfg.plot)
     out("wrote " + ", ".join(str(p) for p in written))

@@ -3,7 +3,9 @@
 Fine-tuning a head on more or other data (a published head on your domain, a CPU head on a second draw of the
 data) keeps what it learnt: the run starts from the folder's weights and its draft vocabulary (the token counts
 it was trained with, so its read-out rows keep meaning the same tokens), with a fresh optimizer, learning-rate
-schedule and step count. The folder must hold a head of the run's kind, trained for a target of the same
+schedule and step count. An EAGLE-3 run with another `draft_vocab_size` picks its vocabulary from the same
+counts and keeps the trained read-out row of every token both vocabularies hold (a larger vocabulary's new
+tokens start from the target's rows). The folder must hold a head of the run's kind, trained for a target of the same
 shapes; it is checked before any data is built. `resume` wins: a resumed run continues its own checkpoint.
 """
 
@@ -48,6 +50,6 @@ def start_from(head: DraftHead, folder: Path, target) -> None:
     else:  # its vocabulary first (EAGLE-3: the draft rows; others: the trained rows), then its weights
         head.token_counts = counts
         head.init_from_data(counts)
-    load_weights(head, folder)
+    load_weights(head, folder, carry=True)  # EAGLE-3 with another draft_vocab_size: rows mapped by token
     log.info("starting from the head in %s (its weights and draft vocabulary; a fresh optimizer and schedule)",
              folder)

@@ -44,6 +44,22 @@ def test_restricted_readout_keeps_the_scores_of_the_kept_tokens(kind, target, ba
     torch.testing.assert_close(draft_logits(head, target, batch), full, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_by_default_only_a_head_without_its_own_vocabulary_is_cut_to_the_default_size(kind, target, monkeypatch):
+    """EAGLE-3 drafts over all of its own draft vocabulary by default, as vLLM serves it (a larger
+    draft_vocab_size must reach the drafts); heads reading the whole vocabulary keep the DEFAULT_DRAFT_VOCAB
+    most frequent tokens. An explicit draft_vocab still cuts either."""
+    from headway.infer import drafters
+    monkeypatch.setattr(drafters, "DEFAULT_DRAFT_VOCAB", 50)
+    head = make_head(kind, target, **({"draft_vocab_size": 100} if kind == "eagle3" else {}))
+    head.token_counts = skewed_counts(target.config.vocab_size)
+    head.init_from_data(head.token_counts)
+    drafters.build_drafter("head", target, head=head, policy="chain")
+    assert head.draftable().sum() == (100 if kind == "eagle3" else 50)
+    drafters.build_drafter("head", target, head=head, policy="chain", draft_vocab=20)
+    assert head.draftable().sum() == 20
+
+
 def test_training_mode_ignores_the_draft_vocabulary(target, batch):
     head = make_head("eagle", target)
     feats = features(head, target, batch)

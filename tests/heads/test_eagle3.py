@@ -83,3 +83,24 @@ def test_a_frozen_read_out_stays_the_targets_rows(target, batch, train_lm_head):
     assert not torch.equal(head.fc.weight, fc)  # the rest learns either way
     with pytest.raises(HeadError, match="train_lm_head must be true or false"):
         make_head("eagle3", target, train_lm_head="no")
+
+
+def test_a_larger_draft_vocabulary_keeps_the_trained_rows_and_maps_the_new_ones(target):
+    """init_from with a larger draft_vocab_size: the shared tokens keep their trained rows exactly, and the
+    new tokens' rows follow the map the training applied to the shared ones (here an exact linear map), not
+    the target's raw rows, which would give the new tokens logits the trained head never produced."""
+    V, h = target.config.vocab_size, target.config.hidden_size
+    counts = torch.arange(V, 0, -1)  # lower ids more frequent: the 100-token vocabulary lies inside the 200
+    small = make_head("eagle3", target, draft_vocab_size=100)
+    small.init_from_data(counts)
+    trained_map = torch.eye(h) + 0.3 * torch.randn(h, h, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # "training": rows moved from the target's by one linear map
+        small.lm_head.weight.copy_(target.model.lm_head.weight[:100] @ trained_map)
+    large = make_head("eagle3", target, draft_vocab_size=200)
+    large.init_from_data(counts)
+    state = large.carry_state({k: v.clone() for k, v in small.state_dict().items()})
+    torch.testing.assert_close(state["lm_head.weight"][:100], small.lm_head.weight.detach(), rtol=0, atol=0)
+    expected_new = target.model.lm_head.weight[100:200] @ trained_map
+    torch.testing.assert_close(state["lm_head.weight"][100:], expected_new, rtol=1e-3, atol=1e-3)
+    assert torch.equal(state["d2t"], large.d2t) and torch.equal(state["t2d"], large.t2d)
+    large.load_state_dict(state)  # every shape fits the larger head

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from headway.heads.base import build_head, save_head
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = {"path": "tiny-random", "name": "tiny-random"}
 SCHEMA = {"target", "head", "temperature", "num_prompts", "tau", "acceptance_by_depth", "by_category",
           "tokens_per_second", "speedup_vs_vanilla", "speedup_vs_hf_generate", "greedy_match", "draft",
-          "weight_layout", "step_ms"}
+          "weight_layout", "step_ms", "draft_vocab_coverage"}
 PROMPTS = [{"prompt": "Name three colours.", "category": "writing"},
            {"prompt": "abc abc abc abc abc", "category": "coding"},
            {"prompt": "What is 2 + 2?"}]  # no category: counted as "general"
@@ -83,6 +84,25 @@ def test_eval_json_schema_and_greedy_output_equals_plain(head_dir, prompts_file,
     assert ms["speculative"] == pytest.approx(ms["drafting"] + ms["tree_forward"] + ms["accepting"])
     assert (out / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.iterdir()) == ["eval.json", "eval.png"]  # no temp files left
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_draft_vocab_coverage_is_the_share_of_reply_tokens_a_draft_can_propose(kind, monkeypatch):
+    """Medusa drafts among the inference draft vocabulary (the 2 most frequent tokens here); EAGLE-3 also
+    only among its own read-out's 3 tokens, whatever larger inference vocabulary is asked for."""
+    target = load_target(TargetSpec(path="tiny-random", name="tiny-random"))
+    head = build_head(kind, target, **({"draft_vocab_size": 3} if kind == "eagle3" else {}))
+    counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
+    counts[torch.tensor([10, 20, 30, 40])] = torch.tensor([4, 3, 2, 1])
+    head.token_counts = counts
+    head.init_from_data(counts)
+    head.set_draft_vocab(2 if kind == "medusa" else 8)
+    monkeypatch.setattr(ev, "COVERAGE_SIZES", (1, 2, 4))
+    coverage = ev.draft_vocab_coverage(head, [[10, 20, 40], [30, 99]])  # 5 reply tokens
+    draftable = {"medusa": 2 / 5, "eagle3": 3 / 5}[kind]  # {10, 20} / {10, 20, 30}
+    assert coverage["draft_vocab"] == pytest.approx(draftable)
+    assert coverage["by_size"] == pytest.approx({1: 1 / 5, 2: 2 / 5, 4: 4 / 5})
+    assert ev.draft_vocab_coverage(None, [[10]]) is None and ev.draft_vocab_coverage(head, []) is None
 
 
 def test_prompt_lookup_baseline_without_checkpoint(prompts_file, tmp_path):

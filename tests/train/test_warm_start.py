@@ -43,3 +43,19 @@ def test_init_from_rejects_another_heads_folder_before_building_anything(tmp_pat
     with pytest.raises(ConfigError, match="init_from=.*is not a head folder"):
         train(compose_train("head=eagle", *SMOKE, f"init_from={tmp_path}", run_dir=tmp_path / "c"))
     assert not (tmp_path / "b" / "final").exists() and not (tmp_path / "c" / "final").exists()
+
+
+def test_an_eagle3_run_grows_the_draft_vocabulary_of_the_head_it_starts_from(tmp_path):
+    """init_from with a larger head.options.draft_vocab_size: the run's vocabulary comes from the head's
+    counts (a superset of its vocabulary) and every token the head had keeps its trained read-out row."""
+    grown = "head.options.draft_vocab_size=200"
+    first = train(compose_train("head=eagle3", *SMOKE, "head.options.draft_vocab_size=100", run_dir=tmp_path / "a"))
+    tuned = train(compose_train("head=eagle3", *SMOKE, grown, "train.max_steps=1", "optim.lr=1e-12",
+                                f"init_from={first / 'final'}", run_dir=tmp_path / "b"))
+    start, end = weights(first), weights(tuned)
+    start_ids = torch.arange(100) + start["d2t"]
+    end_ids = torch.arange(200) + end["d2t"]
+    shared = torch.isin(end_ids, start_ids)
+    assert end["lm_head.weight"].shape[0] == 200 and shared.sum() == 100
+    torch.testing.assert_close(end["lm_head.weight"][shared], start["lm_head.weight"], rtol=0, atol=1e-6)
+    assert read_head_config(tuned / "final")["options"]["draft_vocab_size"] == 200
