@@ -144,8 +144,7 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         saved_ids = torch.arange(len(saved_d2t)) + saved_d2t  # [Vs] target id of each saved row
         saved_row = torch.full((self.target_config.vocab_size,), -1, dtype=torch.long)
         saved_row[saved_ids] = torch.arange(len(saved_ids))
-        draft_ids = self.draft_ids.cpu()
-        source = saved_row[draft_ids]  # [Vd] saved row of each draft token; -1: a new token
+        source = saved_row[self.draft_ids.cpu()]  # [Vd] saved row of each draft token; -1: a new token
         kept = source >= 0
         target_rows = self.lm_head.weight.detach().cpu().float()  # [Vd, h] as init_from_target left them
         weight = target_rows.clone()
