@@ -250,12 +250,12 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         """Draft among the `size` most frequent training tokens (ties, and heads saved without counts:
         lower ids first, i.e. BPE merge order, which tracks frequency); None or >= V: the whole vocabulary."""
         V = self.target_config.vocab_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise HeadError(f"draft_vocab must be >= 1 (an integer), null (the whole vocabulary) or auto, got {size!r}")
         self._rows.clear()
         if size is None or size >= V:
             self.draft_vocab = None
             return
-        if size < 1:
-            raise HeadError(f"draft_vocab must be >= 1 (or null for the whole vocabulary), got {size}")
         counts = self.token_counts if self.token_counts is not None else torch.zeros(V, dtype=torch.long)
         self.draft_vocab = most_frequent(counts, size)
 

@@ -99,5 +99,6 @@ def test_bad_counts_file_and_size_are_errors(target, tmp_path):
     (tmp_path / "final" / COUNTS_NAME).write_bytes(b"not safetensors")
     with pytest.raises(HeadError, match="token_counts.safetensors is corrupted"):
         load_head(tmp_path / "final", target)
-    with pytest.raises(HeadError, match="draft_vocab must be >= 1"):
-        head.set_draft_vocab(0)
+    for bad in (0, "many", 2.5):
+        with pytest.raises(HeadError, match="draft_vocab must be >= 1"):
+            head.set_draft_vocab(bad)

@@ -153,7 +153,7 @@ def corrupt(head_dir, tmp_path, how):
 @pytest.mark.parametrize("case", ["other_target", "garbage_weights", "missing_weights", "empty_prompts",
                                   "malformed_prompts", "no_prompt_field", "negative_temperature", "top_p_zero",
                                   "top_p_above_one", "prompt_too_long", "no_checkpoint", "bad_budget",
-                                  "renamed_prompt_set"])
+                                  "renamed_prompt_set", "bad_draft_vocab"])
 def test_bad_input_raises_one_clear_error_and_writes_nothing(case, head_dir, prompts_file, tmp_path):
     ckpt, prompts, extra = head_dir, prompts_file, []
     if case == "garbage_weights":
@@ -172,7 +172,7 @@ def test_bad_input_raises_one_clear_error_and_writes_nothing(case, head_dir, pro
         prompts = "mt-bench"
     extra = {"negative_temperature": ["temperature=-0.5"], "top_p_zero": ["top_p=0"],
              "top_p_above_one": ["top_p=1.5"], "no_checkpoint": ["checkpoint=none"],
-             "bad_budget": ["budget=fixed"]}.get(case, [])
+             "bad_budget": ["budget=fixed"], "bad_draft_vocab": ["+draft.draft_vocab=many"]}.get(case, [])
     out = tmp_path / "out"
     cfg = make_cfg(f"checkpoint={ckpt}", f"prompts={prompts}", f"output={out}", *extra)
     if case == "other_target":  # the head was trained on hidden 64; this target has hidden 32
