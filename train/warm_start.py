@@ -5,8 +5,9 @@ data) keeps what it learnt: the run starts from the folder's weights and its dra
 it was trained with, so its read-out rows keep meaning the same tokens), with a fresh optimizer, learning-rate
 schedule and step count. An EAGLE-3 run with another `draft_vocab_size` picks its vocabulary from the same
 counts and keeps the trained read-out row of every token both vocabularies hold (a larger vocabulary's new
-tokens start from the target's rows carried into the trained read-out's space: heads.eagle3.carry_state). The folder must hold a head of the run's kind, trained for a target of the same
-shapes; it is checked before any data is built. `resume` wins: a resumed run continues its own checkpoint.
+tokens start from the target's rows carried into the trained read-out's space: heads.eagle3.carry_state).
+The folder must hold a head of the run's kind, trained for a target of the same shapes; it is checked before
+any data is built. `resume` wins: a resumed run continues its own checkpoint.
 """
 
 from __future__ import annotations
