@@ -19,6 +19,7 @@ from pathlib import Path
 
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
@@ -40,9 +41,12 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")  # a path: run as a scr
 @hydra.main(config_path=CONF, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from headway.train.loop import train
+    from headway.train.warm_start import inherit_head_options
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # not a line per checkpoint file
     try:
+        # init_from: the folder's head options, except those the command line names
+        inherit_head_options(cfg, HydraConfig.get().overrides.task)
         train(cfg)
     except USER_ERRORS as exc:
         fail(str(exc))

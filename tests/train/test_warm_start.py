@@ -1,5 +1,7 @@
 """init_from: a run starts from a trained head's weights and draft vocabulary, not from a fresh head."""
 
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -7,7 +9,8 @@ from safetensors.torch import load_file
 from headway.heads.base import read_head_config
 from headway.train.config import ConfigError
 from headway.train.loop import train
-from train_helpers import compose_train
+from headway.train.warm_start import named_head_options
+from train_helpers import compose_train, launch
 
 SMOKE = ["experiment=smoke", "train.save_every=0", "train.eval_every=0"]
 
@@ -59,3 +62,27 @@ def test_an_eagle3_run_grows_the_draft_vocabulary_of_the_head_it_starts_from(tmp
     assert end["lm_head.weight"].shape[0] == 200 and shared.sum() == 100
     torch.testing.assert_close(end["lm_head.weight"][shared], start["lm_head.weight"], rtol=0, atol=1e-6)
     assert read_head_config(tuned / "final")["options"]["draft_vocab_size"] == 200
+
+
+def test_a_run_from_the_command_line_keeps_the_heads_options_unless_it_names_them(tmp_path):
+    """`train/main.py init_from=<a 100-token EAGLE-3 head>` fine-tunes a 100-token head (not the YAML's
+    default vocabulary) with its ttt_steps, while an option the command line names wins."""
+    first = train(compose_train("head=eagle3", *SMOKE, "train.max_steps=1", "head.options.draft_vocab_size=100",
+                                "head.options.ttt_steps=2", run_dir=tmp_path / "a"))
+    run_dir = tmp_path / "b"
+    done = launch([sys.executable, "train/main.py", "head=eagle3", *SMOKE, "train.max_steps=1",
+                   f"init_from={first / 'final'}", "head.options.ttt_steps=1", f"hydra.run.dir={run_dir}"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    options = read_head_config(run_dir / "final")["options"]
+    assert options["draft_vocab_size"] == 100 and options["ttt_steps"] == 1
+    assert weights(run_dir)["lm_head.weight"].shape[0] == 100
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["head=eagle3", "head.options.draft_vocab_size=16384", "+head.options.noise=0.1", "optim.lr=5e-4"],
+     {"draft_vocab_size", "noise"}),
+    (["head.options={ttt_steps: 2}"], {"draft_vocab_size", "noise", "ttt_steps"}),
+    (["head=eagle3", "train.max_steps=10"], set()),
+])
+def test_named_head_options_reads_the_options_an_override_list_sets(overrides, named):
+    assert named_head_options(overrides, ["draft_vocab_size", "noise", "ttt_steps"]) == named
