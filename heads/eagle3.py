@@ -32,8 +32,13 @@ lm_head reads it directly.
 
 `train_lm_head=false` keeps `lm_head` at the target's rows (frozen), as speculators trains it.
 
+`num_layers` > 1 stacks standard decoder layers `layers.{1..}` on top of `midlayer` (the target's class, attending
+over their own keys under the same mask), as vLLM's EAGLE-3 drafter does for `num_hidden_layers` > 1: midlayer's
+output o_t goes through them before `norm`; `init_layer=last` starts `midlayer` only.
+
 Parameter names follow the EAGLE-3 serving layout: `fc`, `midlayer.{input_layernorm, hidden_norm,
-post_attention_layernorm, self_attn.*, mlp.*}`, `norm`, `lm_head`, `d2t`, `t2d` (no embedding).
+post_attention_layernorm, self_attn.*, mlp.*}`, `layers.{i}.*` (i >= 1, num_layers > 1), `norm`, `lm_head`, `d2t`,
+`t2d` (no embedding).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, TargetDistributi
 from headway.heads.sampling import argmax  # torch.argmax's first-max index, ~6x faster on bf16 rows
 
 DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4,
-                init_layer="random", norm_before_fc=False, norm_before_residual=False, norm_output=False,
+                num_layers=1, init_layer="random", norm_before_fc=False, norm_before_residual=False, norm_output=False,
                 train_lm_head=True, top_k_weight=0.0, top_k=10, feature_weight=0.0, noise=0.0,
                 target_temperature=1.0)
 FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output", "train_lm_head")
@@ -69,7 +74,7 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
 
     def __init__(self, target_config, **options):
         opts = resolve_options("eagle3", DEFAULTS, options, {"init_layer": INIT_LAYER})
-        positive_int("eagle3", opts, "draft_vocab_size", "ttt_steps", "eval_depths", "top_k")
+        positive_int("eagle3", opts, "draft_vocab_size", "ttt_steps", "eval_depths", "top_k", "num_layers")
         for weight in ("top_k_weight", "feature_weight", "noise"):
             require(opts[weight] >= 0, f"head 'eagle3': {weight} must be >= 0, got {opts[weight]}")
         require(opts["target_temperature"] > 0,
@@ -101,6 +106,10 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         self.lm_head.weight.requires_grad_(opts["train_lm_head"])
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(V) < self.draft_vocab_size)
+        # decoder layers 1.. (vLLM's `layers.{i}`): standard layers over the stream midlayer leaves, made last so
+        # that a one-layer head's random initialisation is what it always was
+        self.layers = nn.ModuleDict({str(i): new_decoder_layer(target_config, layer_idx=i)
+                                     for i in range(1, opts["num_layers"])})
 
     # ------------------------------------------------------------------------- draft vocabulary
     @property
@@ -180,10 +189,12 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         layer, o = self.midlayer, self.options
         normed = layer.hidden_norm(hidden)
         x = torch.cat([layer.input_layernorm(emb), normed], -1)  # [B, n, 2h]
-        attn, _ = layer.self_attn(hidden_states=x, position_embeddings=rotary(self.frozen, x, positions),
-                                  attention_mask=mask, cache=kv)
+        cos_sin = rotary(self.frozen, x, positions)
+        attn, _ = layer.self_attn(hidden_states=x, position_embeddings=cos_sin, attention_mask=mask, cache=kv)
         h = (normed if o["norm_before_residual"] else hidden) + attn
         out = h + layer.mlp(layer.post_attention_layernorm(h))
+        for upper in self.layers.values():  # [B, n, h] -> [B, n, h], same mask, own keys in kv
+            out = upper(out, attention_mask=mask, cache=kv, position_embeddings=cos_sin)
         return self.norm(out) if o["norm_output"] else out
 
     def readout_input(self, out: Tensor) -> Tensor:  # a step's output, normed once before lm_head
@@ -195,10 +206,10 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
     def begin_hidden(self, feats: TargetFeatures) -> Tensor:
         return self.fuse(feats)
 
-    def draft_level_params(self) -> int:  # the decoder layer + the read-out rows (fc runs on commit only)
+    def draft_level_params(self) -> int:  # the decoder layers + the read-out rows (fc runs on commit only)
         h = self.target_config.hidden_size
-        layer = sum(p.numel() for p in self.midlayer.parameters())
-        return layer + self.readout_rows(self.draft_vocab_size, self.draft_ids) * h
+        layers = sum(p.numel() for p in self.midlayer.parameters()) + sum(p.numel() for p in self.layers.parameters())
+        return layers + self.readout_rows(self.draft_vocab_size, self.draft_ids) * h
 
     def vocab_logits(self, out: Tensor) -> Tensor:  # [..., h] -> [..., V] over the target vocabulary
         return self.readout(self.readout_input(out), self.lm_head, self.draft_ids)

@@ -75,8 +75,10 @@ def head_layer_config(config):
     return cfg
 
 
-def new_decoder_layer(config) -> nn.Module:
-    return decoder_layer_class(config)(head_layer_config(config), layer_idx=0)
+def new_decoder_layer(config, layer_idx: int = 0) -> nn.Module:
+    """A decoder layer of the target's class and shapes; `layer_idx` picks its key/value heads in a JoinKV (a head
+    with several layers)."""
+    return decoder_layer_class(config)(head_layer_config(config), layer_idx=layer_idx)
 
 
 INIT_LAYER = ("random", "last")
@@ -106,18 +108,35 @@ def new_rms_norm(layer: nn.Module, config, size: int | None = None) -> nn.Module
 
 
 class JoinKV:
-    """Stands in for a transformers Cache during one layer call: the layer attends to `prefix ++ new` keys;
-    the new (rotated) keys/values are kept so the caller can store them."""
+    """Stands in for a transformers Cache during one step of a head's layers: each layer attends to `prefix ++ new`
+    keys; the new (rotated) keys/values are kept so the caller can store them.
+
+    A head with several layers keeps them side by side on the key/value-head axis ([B, layers * Hkv, n, d],
+    layer i's heads at [i * Hkv, (i + 1) * Hkv)): the committed context, the draft tree and the training-time
+    test's earlier steps store one tensor whatever the depth of the head, and every layer sees the same mask."""
 
     def __init__(self, prefix: tuple[Tensor, Tensor] | None = None):
         self.prefix = prefix
-        self.key = self.value = None
+        self.new: dict[int, tuple[Tensor, Tensor]] = {}  # layer_idx -> its new key, value [B, Hkv, n, d]
 
     def update(self, key, value, layer_idx=0, *args, **kwargs):  # [B, Hkv, n, d]
-        self.key, self.value = key, value
+        self.new[layer_idx] = key, value
         if self.prefix is None:
             return key, value
-        return torch.cat([self.prefix[0], key], 2), torch.cat([self.prefix[1], value], 2)
+        heads = slice(layer_idx * key.shape[1], (layer_idx + 1) * key.shape[1])
+        return torch.cat([self.prefix[0][:, heads], key], 2), torch.cat([self.prefix[1][:, heads], value], 2)
+
+    @property
+    def key(self) -> Tensor:  # [B, layers * Hkv, n, d]
+        return self._stacked(0)
+
+    @property
+    def value(self) -> Tensor:
+        return self._stacked(1)
+
+    def _stacked(self, which: int) -> Tensor:
+        parts = [self.new[i][which] for i in sorted(self.new)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 def rotary(frozen: dict, x: Tensor, positions: Tensor):
@@ -480,9 +499,10 @@ def unrolled_accuracy(preds_by_step: list[Tensor], num_depths: int, input_ids: T
 
 
 class OneLayerDrafting:
-    """Inference hooks and teacher-forced drafts for heads with one attention layer over the committed
-    context and the tree (EAGLE, EAGLE-3). The head provides `step(emb, hidden, positions, kv, mask)`,
-    `begin_hidden(feats)` (its input hidden from target features) and `vocab_logits(out)` ([..., V])."""
+    """Inference hooks and teacher-forced drafts for heads whose one step (one attention layer, or a few whose
+    keys JoinKV keeps side by side) attends over the committed context and the tree (EAGLE, EAGLE-3). The head
+    provides `step(emb, hidden, positions, kv, mask)`, `begin_hidden(feats)` (its input hidden from target
+    features) and `vocab_logits(out)` ([..., V])."""
 
     def anchor_logits(self, input_ids: Tensor, feats: TargetFeatures, steps: int | None = None) -> list[Tensor]:
         """Teacher-forced drafts: [d-1] = logits [B, T, V] of the depth-d draft from each anchor c."""

@@ -41,6 +41,7 @@ TINY_HD32 = {"num_attention_heads": 2, "num_key_value_heads": 1}  # hidden 64 / 
 EAGLE_DEPTH = 3  # num_speculative_tokens for EAGLE exports (Medusa: one per head)
 SPECFORGE_FULL_VOCAB = ("not checked: with the full vocabulary the export has no d2t/t2d (vLLM refuses them), "
                         "which SpecForge's draft always has, so its warm start reports them missing")
+SPECFORGE_ONE_LAYER = "not checked: SpecForge's EAGLE-3 draft (like SGLang's) has one decoder layer"
 PROMPTS = ["Hello there, how are you doing today?", "The capital of France is",
            "def fibonacci(n):", "Write a short poem about the sea."]
 
@@ -149,6 +150,9 @@ HEADS = (
     HeadRun("eagle3", "eagle3", ("eagle3", "eagle3-speculators"), ("head.options.draft_vocab_size=128",)),
     # the full vocabulary (the tiny target has 259 tokens): no d2t/t2d in the speculators layout
     HeadRun("eagle3-fullvocab", "eagle3", ("eagle3", "eagle3-speculators"), tiny_only=True),
+    # two decoder layers: vLLM builds num_hidden_layers of them (the first over cat(embedding, feature))
+    HeadRun("eagle3-2layers", "eagle3", ("eagle3", "eagle3-speculators"),
+            ("head.options.draft_vocab_size=128", "head.options.num_layers=2"), tiny_only=True),
     HeadRun("eagle", "eagle", ("eagle",)),
     HeadRun("medusa", "medusa", ("medusa",)),
 )
@@ -442,6 +446,8 @@ def check_target(target_name: str, args, pythons: dict, log) -> list[Row]:
         for head_name, fmt, folder, _ in exports:
             if fmt in fmts and peer == "specforge" and full_vocab(heads[(head_name, fmt)]):
                 rows.append(Row(target_name, peer, fmt, head_name, None, SPECFORGE_FULL_VOCAB))
+            elif fmt in fmts and peer == "specforge" and heads[(head_name, fmt)].options["num_layers"] > 1:
+                rows.append(Row(target_name, peer, fmt, head_name, None, SPECFORGE_ONE_LAYER))
             elif fmt in fmts:
                 log(f"loading {folder.name} with {peer}")
                 rows.append(check_loader(peer, pythons[peer], fmt, folder, heads[(head_name, fmt)], target,

@@ -31,7 +31,7 @@ Files (h = hidden size, V = target vocab, Vd = draft vocab, K = heads or modules
 Medusa head, N = target layers):
 
 eagle3 (primary for eagle3; official EAGLE-3 layout, vLLM and SGLang `LlamaForCausalLMEagle3`)
-    config.json  one-layer Llama config (vocab_size = V, the target's), architectures
+    config.json  Llama config, num_hidden_layers = the head's num_layers (vocab_size = V, the target's), architectures
                  [LlamaForCausalLMEagle3], draft_vocab_size Vd, target_hidden_size, tie_word_embeddings false,
                  norm_before_residual, norm_before_fc / norm_output (only when true),
                  eagle_aux_hidden_state_layer_ids (vLLM ids, top level),
@@ -40,7 +40,8 @@ eagle3 (primary for eagle3; official EAGLE-3 layout, vLLM and SGLang `LlamaForCa
                  .weight [h], midlayer.self_attn.{q,k,v}_proj.weight [*, 2h], midlayer.self_attn.o_proj.weight,
                  midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight [Vd, h], d2t int64 [Vd]
                  (target id = draft id + d2t[draft id]), input_norm.weight [3h] with norm_before_fc,
-                 and t2d bool [V] only when Vd < V (vLLM refuses d2t
+                 layers.{i}.* (i >= 1: the standard decoder layers of a head with num_layers > 1; vLLM 0.32
+                 reads them, SGLang's drafter has one layer), and t2d bool [V] only when Vd < V (vLLM refuses d2t
                  with the full vocabulary), embed_tokens.weight [V, h] (a copy of the target's: SpecForge's
                  warm start requires it, speculators reads it; vLLM and SGLang use the target's values).
     Aux-layer ids: the head fuses hidden_states[a] (input of decoder layer a). vLLM's id i captures the input
@@ -50,7 +51,7 @@ eagle3 (primary for eagle3; official EAGLE-3 layout, vLLM and SGLang `LlamaForCa
     the same tensors. Exports need 3 distinct ascending aux layers in [1, N-1] (see formats/eagle3.py).
 eagle3-speculators (vLLM `Eagle3Speculator`: `vllm serve DIR` with no flags)
     config.json  {architectures: [Eagle3Speculator], speculators_model_type: eagle3, transformer_layer_config
-                 (the one-layer Llama config), draft_vocab_size, target_hidden_size, norm_before_residual
+                 (the Llama config above), draft_vocab_size, target_hidden_size, norm_before_residual
                  false (written explicitly; speculators 0.9.0's default is also false),
                  eagle_aux_hidden_state_layer_ids (vLLM ids),
                  speculators_config {algorithm eagle3, proposal_methods [{proposal_type greedy,
@@ -133,15 +134,20 @@ def optional_norms(head) -> dict:
     return {flag: True for flag in ("norm_before_fc", "norm_output") if head.options[flag]}
 
 
+def draft_layer_fields(head) -> dict:
+    """The Llama config the engines build the drafter's decoder layers from (num_hidden_layers = num_layers)."""
+    return llama_layer_fields(head.target_config, head.options["num_layers"])
+
+
 def official_config(head, prov) -> dict:
     _, sglang_ids = engine_aux_ids(head)
     return {"config.json": {
-        "architectures": ["LlamaForCausalLMEagle3"], **llama_layer_fields(head.target_config), **eagle3_fields(head),
+        "architectures": ["LlamaForCausalLMEagle3"], **draft_layer_fields(head), **eagle3_fields(head),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True}}}
 
 
 def speculators_config(head, prov) -> dict:
-    layer = {"architectures": ["LlamaForCausalLM"], **llama_layer_fields(head.target_config)}
+    layer = {"architectures": ["LlamaForCausalLM"], **draft_layer_fields(head)}
     target_arch = list(getattr(head.target_config, "architectures", None) or [causal_lm_class(head.target_config)])
     return {"config.json": {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
@@ -171,7 +177,12 @@ def causal_lm_class(config) -> str:
 
 
 def official_serve(where: str, prov) -> list[Serve]:
-    return eagle_serve_commands(where, prov, method="eagle3", algorithm="EAGLE3")
+    commands = eagle_serve_commands(where, prov, method="eagle3", algorithm="EAGLE3")
+    if prov.options.get("num_layers", 1) == 1:
+        return commands
+    return [c for c in commands if c.engine != "SGLang"] + [
+        Serve("SGLang", note=f"SGLang's EAGLE-3 drafter has one decoder layer and this head has "
+                             f"{prov.options['num_layers']}: serve it with vLLM.")]
 
 
 def speculators_serve(where: str, prov) -> list[Serve]:

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -9,6 +10,9 @@ from headway.heads.base import TargetFeatures, build_head, compute_features
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "head"
 KINDS = sorted(p.stem for p in CONF.glob("*.yaml"))  # every head config is tested
+# every head config, and the option variants that change how a head drafts (kind, its YAML overrides)
+VARIANTS = [pytest.param(kind, {}, id=kind) for kind in KINDS] + [
+    pytest.param("eagle3", {"num_layers": 2}, id="eagle3-2layers")]
 
 CONVERSATIONS = [
     ("What is the capital of France?", "The capital of France is Paris."),

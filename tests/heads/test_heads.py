@@ -4,23 +4,23 @@ weights, and drafts with its KV cache exactly what its teacher-forced forward co
 import pytest
 import torch
 
-from head_helpers import (KINDS, at_anchor, begin, check_cached_chain, features, make_head, train_briefly,
+from head_helpers import (KINDS, VARIANTS, at_anchor, begin, check_cached_chain, features, make_head, train_briefly,
                           yaml_options)
 from headway.heads.base import HeadError, build_head, load_head, save_head
 from headway.heads.layers import chain_accuracy
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_loss_falls_on_a_fixed_batch(kind, target, batch):
-    head = make_head(kind, target)
+@pytest.mark.parametrize("kind, options", VARIANTS)
+def test_loss_falls_on_a_fixed_batch(kind, options, target, batch):
+    head = make_head(kind, target, **options)
     losses, out = train_briefly(head, batch, features(head, target, batch), steps=40)
     assert out.depth_correct.shape == out.depth_count.shape == (head.num_depths,)
     assert losses[-1] < 0.6 * losses[0], losses
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_save_load_round_trip(kind, target, batch, tmp_path):
-    head = make_head(kind, target, seed=1)
+@pytest.mark.parametrize("kind, options", VARIANTS)
+def test_save_load_round_trip(kind, options, target, batch, tmp_path):
+    head = make_head(kind, target, seed=1, **options)
     with torch.no_grad():  # move away from the initialisation so a missed tensor would show
         for p in head.parameters():
             p.add_(0.01 * torch.randn_like(p))
@@ -50,11 +50,11 @@ def test_target_weights_stay_out_of_the_head(kind, target):
     assert not any("embed_tokens" in name for name in head.state_dict())
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_validation_accuracies_are_those_of_the_teacher_forced_drafts(kind, target, batch):
+@pytest.mark.parametrize("kind, options", VARIANTS)
+def test_validation_accuracies_are_those_of_the_teacher_forced_drafts(kind, options, target, batch):
     """The forward reads out only where a label is learnt; its depth accuracies must still be the chain
     accuracies of the full teacher-forced drafts (every position read out, over the same vocabulary)."""
-    head = make_head(kind, target, seed=3)
+    head = make_head(kind, target, seed=3, **options)
     ids, mask = batch["input_ids"], batch["loss_mask"]
     feats = features(head, target, batch)
     train_briefly(head, batch, feats, steps=30)  # so that some drafts are right
@@ -67,14 +67,14 @@ def test_validation_accuracies_are_those_of_the_teacher_forced_drafts(kind, targ
     assert torch.equal(out.depth_correct, correct) and torch.equal(out.depth_count, count)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_cached_chain_equals_teacher_forced_forward(kind, target, batch):
-    check_cached_chain(make_head(kind, target, seed=2).eval(), target, batch)
+@pytest.mark.parametrize("kind, options", VARIANTS)
+def test_cached_chain_equals_teacher_forced_forward(kind, options, target, batch):
+    check_cached_chain(make_head(kind, target, seed=2, **options).eval(), target, batch)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_tree_siblings_do_not_see_each_other(kind, target, batch):
-    head = make_head(kind, target, seed=3).eval()
+@pytest.mark.parametrize("kind, options", VARIANTS)
+def test_tree_siblings_do_not_see_each_other(kind, options, target, batch):
+    head = make_head(kind, target, seed=3, **options).eval()
     ids = batch["input_ids"]
     feats = features(head, target, batch)
     m = torch.tensor([6, 7, 8, 9])

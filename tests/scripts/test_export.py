@@ -237,7 +237,8 @@ def rms_norm(x, weight, eps):
 def eagle3_engine_logits(out, weights, prefix, target, ids, aux):
     """vLLM/SGLang Eagle3 first draft step, from the exported files alone: g = fc(cat(aux hidden states))
     (input_norm first with norm_before_fc); x = cat(input_layernorm(embed), hidden_norm(g)); h = g + attn(x)
-    (hidden_norm(g) + attn(x) with norm_before_residual); o = h + mlp(post_norm(h));
+    (hidden_norm(g) + attn(x) with norm_before_residual); o = h + mlp(post_norm(h)), then through the standard
+    decoder layers `layers.{1..}` when num_hidden_layers > 1 (vLLM);
     draft logits = lm_head(norm(o)) scattered to target ids d2t[i] + i (-inf elsewhere)."""
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -266,6 +267,10 @@ def eagle3_engine_logits(out, weights, prefix, target, ids, aux):
     residual = layer.hidden_norm(g) if cfg["norm_before_residual"] else g
     h = residual + layer.self_attn(hidden_states=x, position_embeddings=rope, attention_mask=mask)[0]
     o = h + layer.mlp(layer.post_attention_layernorm(h))
+    for i in range(1, layer_cfg.num_hidden_layers):  # vLLM's layers 1..: standard decoder layers over o
+        upper = LlamaDecoderLayer(layer_cfg, layer_idx=i)
+        upper.load_state_dict({k[len(f"layers.{i}."):]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
+        o = upper(o, attention_mask=mask, position_embeddings=rope)
     draft = norm(o[:, -1]) @ weights["lm_head.weight"].T  # [1, Vd]
     full = torch.full((1, V), float("-inf"))
     full[:, torch.arange(VD) + weights["d2t"]] = draft
@@ -276,19 +281,25 @@ def eagle3_engine_logits(out, weights, prefix, target, ids, aux):
 EAGLE31 = dict(norm_before_fc=True, norm_before_residual=True, norm_output=True)
 
 
-@pytest.mark.parametrize("fmt", ["eagle3", "eagle3-speculators"])
-def test_eagle31_norms_are_exported_as_the_engines_read_them(fmt, target, tmp_path):
-    """A head trained with the EAGLE 3.1 norms ships input_norm.weight and the three keys vLLM/speculators
-    read; the engine's first step computed from the files alone equals the head's draft, and the reloaded
-    export drafts (two levels: the second reads the normed recurrent output) equal the head's."""
-    torch.manual_seed(1)
-    head = build_head("eagle3", target, **HEADS["eagle3"], **EAGLE31)
+def export_random_eagle3(target, tmp_path, fmt: str, seed: int, **options):
+    """An EAGLE-3 head with the EAGLE 3.1 norms, weights far from their initialisation and a draft vocabulary that
+    is not the first ids, saved and exported in `fmt` -> (head, export folder)."""
+    torch.manual_seed(seed)
+    head = build_head("eagle3", target, **HEADS["eagle3"], **EAGLE31, **options)
     head.init_from_data(torch.randint(0, 1000, (V,)))
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.2)
     save_head(head, tmp_path / "final")
-    out = export_head(tmp_path / "final", tmp_path / "e31", fmt, target=target, base_model="org/target")
+    return head, export_head(tmp_path / "final", tmp_path / "export", fmt, target=target, base_model="org/target")
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "eagle3-speculators"])
+def test_eagle31_norms_are_exported_as_the_engines_read_them(fmt, target, tmp_path):
+    """A head trained with the EAGLE 3.1 norms ships input_norm.weight and the three keys vLLM/speculators
+    read; the engine's first step computed from the files alone equals the head's draft, and the reloaded
+    export drafts (two levels: the second reads the normed recurrent output) equal the head's."""
+    head, out = export_random_eagle3(target, tmp_path, fmt, seed=1)
     cfg = json.loads((out / "config.json").read_text())
     assert {k: cfg.get(k) for k in EAGLE31} == EAGLE31
     w = load_file(str(out / "model.safetensors"))
@@ -350,6 +361,30 @@ def test_eagle3_configs_and_engine_forward(fmt, target, finals, tmp_path):
     got = draft(head, target, ids)[0]
     assert torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got[~got.isinf()], want[~want.isinf()], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "eagle3-speculators"])
+def test_eagle3_with_two_layers_is_exported_as_vllm_reads_it(fmt, target, tmp_path):
+    """A two-layer head ships `layers.1.*` beside the first layer and num_hidden_layers 2; vLLM's forward from the
+    files alone (first layer, then a standard decoder layer) equals the head's draft, and the export reloads
+    into the same head. SGLang's drafter has one layer, so the card names vLLM only."""
+    head, out = export_random_eagle3(target, tmp_path, fmt, seed=3, num_layers=2)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg.get("transformer_layer_config", cfg)["num_hidden_layers"] == 2
+    w = load_file(str(out / "model.safetensors"))
+    first = "midlayer." if fmt == "eagle3" else "layers.0."
+    assert {k[len("layers.1."):] for k in w if k.startswith("layers.1.")} == set(LAYER) | {"input_layernorm.weight"}
+    assert {k[len(first):] for k in w if k.startswith(first)} == set(EAGLE3_LAYER)
+    ids = prompt_ids(target)
+    with torch.no_grad():
+        want = eagle3_engine_logits(out, w, first, target, ids, cfg["eagle_aux_hidden_state_layer_ids"])
+    got, got2 = draft(head.eval(), target, ids)
+    torch.testing.assert_close(got[~got.isinf()], want[~want.isinf()], rtol=1e-4, atol=1e-4)
+    back, back2 = draft(load_export(out, target=target), target, ids)
+    torch.testing.assert_close((back, back2), (got, got2))
+    if fmt == "eagle3":
+        card = (out / "README.md").read_text()
+        assert "sglang.launch_server" not in card and "serve it with vLLM" in card
 
 
 def test_eagle3_aux_layers_engines_cannot_capture_are_refused(target, tmp_path):
