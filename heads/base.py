@@ -327,14 +327,15 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
 
     @torch.no_grad()
     def target_train_logits(self, feats: TargetFeatures, where: Tensor | None = None) -> Tensor:
-        """The target's logits on the training ids, [B, T, Vt] fp32, or [n, Vt] at the positions `where`
-        [B, T] selects (read from the cache, or computed through only those rows of its frozen LM head)."""
+        """The target's logits on the training ids, [B, T, Vt], or [n, Vt] at the positions `where` [B, T]
+        selects (read from the cache, or computed through only those rows of its frozen LM head), in the dtype
+        they come in: the losses raise them to fp32 block by block (TargetDistribution)."""
         ids = self._ids_on(feats.last_hidden.device)
         if feats.logits is not None:
             logits = feats.logits if where is None else feats.logits[where]
-            return (logits if ids is None else logits[..., ids]).float()
+            return logits if ids is None else logits[..., ids]
         hidden = feats.last_hidden if where is None else feats.last_hidden[where]
-        return self.train_readout(hidden, self.frozen["lm_head"]).float()
+        return self.train_readout(hidden, self.frozen["lm_head"])
 
     def train_token_ids(self, compact: Tensor) -> Tensor:
         """Training-vocabulary indices -> target token ids (e.g. of an argmax)."""

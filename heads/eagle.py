@@ -87,8 +87,8 @@ class EagleHead(OneLayerDrafting, DraftHead):
         queries, at_next = learnt_queries(loss_mask)  # [B, T]: read out only where x_{t+2} is learnt
         f_next = f[at_next]  # [n, h]
         # target's x_{t+2} logits [n, Vt], sharpened (< 1) or flattened (> 1) by target_temperature
-        p_next = self.target_train_logits(feats, at_next) / o["target_temperature"]
-        target = TargetDistribution(p_next)  # [n, Vt] once, shared by every step's loss
+        t_next = self.target_train_logits(feats, at_next)
+        target = TargetDistribution(t_next, o["target_temperature"])  # [n, Vt] once, shared by every step's loss
         query_pos = queries.nonzero()[:, 1]  # [n]
         loss, preds, metrics = 0.0, [], {}
         for j, out in enumerate(outs):
@@ -102,7 +102,8 @@ class EagleHead(OneLayerDrafting, DraftHead):
             token_loss = masked_mean(target.kl(logits), scored)
             step_loss = o["feature_weight"] * feat_loss + o["token_weight"] * token_loss
             if o["top_k_weight"]:
-                top_k_loss = masked_mean(top_k_cross_entropy(logits, p_next, o["top_k"]), scored)
+                tempered = t_next.float() / o["target_temperature"]
+                top_k_loss = masked_mean(top_k_cross_entropy(logits, tempered, o["top_k"]), scored)
                 step_loss = step_loss + o["top_k_weight"] * top_k_loss
             loss = loss + o["step_decay"] ** j * step_loss
             metrics[f"feature_loss{j}"], metrics[f"token_loss{j}"] = feat_loss.detach(), token_loss.detach()

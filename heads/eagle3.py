@@ -223,8 +223,8 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         queries, at_next = learnt_queries(loss_mask)  # [B, T]: read out only where x_{t+2} is learnt
         # target's x_{t+2} logits [n, Vd] on the draft vocab, sharpened (< 1) or flattened (> 1) by
         # target_temperature
-        p_next = self.target_train_logits(feats, at_next) / o["target_temperature"]
-        target = TargetDistribution(p_next)  # [n, Vd] once, shared by every step's loss
+        t_next = self.target_train_logits(feats, at_next)
+        target = TargetDistribution(t_next, o["target_temperature"])  # [n, Vd] once, shared by every step's loss
         # [n, h] what the target's lm_head reads for x_{t+2}; only the feature regression needs it
         f_next = feats.last_hidden[at_next] if o["feature_weight"] else None
         query_pos = queries.nonzero()[:, 1]  # [n]
@@ -239,7 +239,8 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
             step_loss = masked_mean(target.kl(logits), scored)
             metrics[f"loss_step{j}"] = step_loss.detach()
             if o["top_k_weight"]:
-                top_k_loss = masked_mean(top_k_cross_entropy(logits, p_next, o["top_k"]), scored)
+                tempered = t_next.float() / o["target_temperature"]
+                top_k_loss = masked_mean(top_k_cross_entropy(logits, tempered, o["top_k"]), scored)
                 step_loss = step_loss + o["top_k_weight"] * top_k_loss
             if o["feature_weight"]:  # EAGLE-1's regression, on what lm_head reads: a dense signal per token
                 feat_loss = masked_mean(feature_regression(self.readout_input(out), f_next), scored)

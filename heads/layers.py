@@ -373,47 +373,69 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 class TargetDistribution:
     """The target's next-token distribution p [..., V] (fp32) and its entropy, computed once per batch and
     shared by every training-time-test step's loss. Target logits may be -inf (a top-k cache): those
-    tokens have p = 0; a row with no finite logit has p = 0 everywhere and adds nothing."""
+    tokens have p = 0; a row with no finite logit has p = 0 everywhere and adds nothing. `temperature`
+    divides the logits first (below 1 the distribution moves toward the target's argmax)."""
 
-    def __init__(self, target_logits: Tensor):
+    def __init__(self, target_logits: Tensor, temperature: float = 1.0):
+        V = target_logits.shape[-1]
+        logits = target_logits.reshape(-1, V)  # [n, V], any float dtype: each block is raised to fp32 in cache
+        self.shape = target_logits.shape[:-1]
+        self.p = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        self.entropy = torch.empty(logits.shape[0], device=logits.device)  # [n]
         with torch.no_grad():
-            log_p = target_logits.float().log_softmax(-1)
-            self.p = log_p.exp().nan_to_num_(0.0)  # NaN rows (no support) -> 0
-            finite_log_p = log_p.nan_to_num_(0.0, neginf=torch.finfo(log_p.dtype).min)  # where p = 0: 0 x finite
-            self.entropy = -row_dot(self.p, finite_log_p)  # [...]; one pass, where xlogy(p, p) took several
+            for rows in row_blocks(logits):
+                z = logits[rows].float()
+                log_p = (z / temperature if temperature != 1.0 else z).log_softmax(-1)
+                p = torch.exp(log_p, out=self.p[rows]).nan_to_num_(0.0)  # NaN rows (no support) -> 0
+                log_p.nan_to_num_(0.0, neginf=torch.finfo(log_p.dtype).min)  # where p = 0: 0 x finite
+                self.entropy[rows] = -(p * log_p).sum(-1)
+        self.p_sum = self.p.sum(-1)  # [n]: 1, or 0 for a row with no support
 
     def kl(self, logits: Tensor) -> Tensor:
         """KL(p || q) per position, [..., V] -> [...] (fp32): the soft cross-entropy minus the target's entropy,
         so the same gradient, and 0 means the head matches the target."""
-        return SoftCrossEntropy.apply(logits, self.p) - self.entropy
+        flat = logits.reshape(-1, logits.shape[-1])
+        return (SoftCrossEntropy.apply(flat, self.p, self.p_sum) - self.entropy).reshape(self.shape)
 
 
 class SoftCrossEntropy(torch.autograd.Function):
-    """-sum_i p_i log softmax(z)_i per row, with the closed-form gradient softmax(z) sum(p) - p: a few
-    passes over [n, V] where autograd through log_softmax, products and masks takes several times as
-    many (the read-out's [n, V] logits are the largest tensors of a training step)."""
+    """-sum_i p_i log softmax(z)_i per row of [n, V], with the closed-form gradient softmax(z) sum(p) - p.
+
+    The read-out's [n, V] logits are the largest tensors of a training step, and on a CPU a pass over a whole
+    [n, V] tensor streams it from memory: so the loss and its gradient are computed block by block of rows
+    (row_blocks), every pass over a block in cache, and the gradient is kept in the logits' dtype for the
+    backward pass, which only scales each row by its upstream gradient."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, p: Tensor) -> Tensor:
-        log_q = logits.to(p.dtype).log_softmax(-1)  # in p's precision (fp32 from TargetDistribution)
-        log_q.clamp_(min=torch.finfo(log_q.dtype).min)  # a -inf logit where p = 0 adds 0, not 0 * inf = NaN
-        ctx.save_for_backward(log_q, p)
-        ctx.logits_dtype = logits.dtype
-        return -row_dot(p, log_q)
+    def forward(ctx, logits: Tensor, p: Tensor, p_sum: Tensor | None = None) -> Tensor:  # [n, V] -> [n]
+        p_sum = p.sum(-1) if p_sum is None else p_sum
+        loss = torch.empty(logits.shape[0], dtype=p.dtype, device=logits.device)
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        for rows in row_blocks(logits):
+            log_q = logits[rows].to(p.dtype).log_softmax(-1)  # in p's precision (fp32 from TargetDistribution)
+            log_q.clamp_(min=torch.finfo(log_q.dtype).min)  # a -inf logit where p = 0 adds 0, not 0 * inf = NaN
+            loss[rows] = -(p[rows] * log_q).sum(-1)
+            if grad is not None:
+                grad[rows] = log_q.exp_().mul_(p_sum[rows, None]).sub_(p[rows])
+        ctx.save_for_backward(grad)
+        return loss
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        log_q, p = ctx.saved_tensors
-        grad_logits = log_q.exp().mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(grad.unsqueeze(-1))
-        return grad_logits.to(ctx.logits_dtype), None
+    def backward(ctx, grad_loss: Tensor):
+        grad, = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype).unsqueeze(-1), None, None
 
 
-def row_dot(a: Tensor, b: Tensor) -> Tensor:
-    """sum(a * b, -1) for [..., V] -> [...] as a batched dot: no [n, V] temporary, and never in bf16 (autocast
-    would round the sum)."""
-    flat_a, flat_b = a.reshape(-1, 1, a.shape[-1]), b.reshape(-1, b.shape[-1], 1)
-    with torch.autocast(a.device.type, enabled=False):
-        return torch.bmm(flat_a, flat_b).reshape(a.shape[:-1])
+ROW_BLOCK_BYTES = 1 << 21  # fp32 rows per block on a CPU: about a core's L2 cache
+
+
+def row_blocks(x: Tensor) -> list[slice]:
+    """Row slices of a [n, V] tensor for blockwise passes: ~ROW_BLOCK_BYTES of fp32 each on a CPU, where a pass
+    over a block in cache is several times as fast per element as one streaming the whole tensor from memory
+    (2-core Xeon: exp over [1030, 16384] fp32 20 ms, the same rows in blocks of 32 1.7 ms); one block on a GPU."""
+    n = x.shape[0]
+    rows = max(1, ROW_BLOCK_BYTES // (4 * x.shape[-1])) if x.device.type == "cpu" else max(n, 1)
+    return [slice(start, start + rows) for start in range(0, n, rows)]
 
 
 def kl_to_target(logits: Tensor, target_logits: Tensor) -> Tensor:

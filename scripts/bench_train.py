@@ -23,6 +23,7 @@ per token can be checked to grow no worse than linearly with the sequence length
     python scripts/bench_train.py --attention --prompt-share 0.26   # EAGLE, EAGLE-3: chain attention vs a dense mask
     python scripts/bench_train.py --muon --heads eagle3 --prompt-share 0.26   # optim=muon: orthogonalised in bf16 vs fp32
     ONEDNN_MAX_CPU_ISA=AVX2 python scripts/bench_train.py --muon --heads eagle3 --prompt-share 0.26   # as on a CPU without bf16
+    python scripts/bench_train.py --row-blocks --heads eagle3 --prompt-share 0.26 --head-option draft_vocab_size=16384
 
 With --precision, each head's default step (training vocabulary) runs in fp32 and under bf16 autocast
 (precision=bf16, what precision=auto picks on a GPU and on a CPU with AMX), interleaved; the last line is
@@ -43,6 +44,15 @@ With --muon, each head's default step (in the precision the default job picks he
 (torch.optim.Muon) and in fp32 (train/muon.py), and with AdamW alone for scale, interleaved; the last line is the
 first head's fp32 / bf16 tokens/s. ONEDNN_MAX_CPU_ISA=AVX2 (or AVX512_CORE) makes oneDNN emulate bf16 as on a CPU
 without bf16 instructions (the head's step then runs in fp32, as the job's precision=auto picks there).
+
+With --row-blocks, each head's default step (in the precision the default job picks here, freed memory kept) runs
+with the distillation loss computed block by block of rows (heads.layers.row_blocks, the default: each pass over
+a block of the [n, V] logits in cache) and in one block (each pass over the whole [n, V] tensor, streamed from
+memory), interleaved; the last line is EAGLE's (else the first head's) blocks / one block tokens/s. Heads trained with hard
+labels (MTP, Medusa with loss=ce) do not use that loss and come out level.
+
+--head-option KEY=VALUE (repeatable) changes a head option for every head that has it (e.g. EAGLE-3's
+draft_vocab_size=16384).
 """
 
 from __future__ import annotations
@@ -55,12 +65,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import bench_common as bc
 import torch
+import yaml
 from omegaconf import OmegaConf
 
+from headway.heads import layers
 from headway.heads.base import build_head, compute_features
 
 ALLOCATOR_MODES = ("returned", "kept")
@@ -88,6 +101,10 @@ def parse_args(argv=None):
                    help="EAGLE, EAGLE-3 default step: the unroll's chain attention vs SDPA with a dense mask")
     p.add_argument("--muon", action="store_true",
                    help="the default head step with optim=muon: orthogonalised in bf16 (torch) vs fp32")
+    p.add_argument("--row-blocks", action="store_true",
+                   help="the default head step: the distillation loss block by block of rows vs in one block")
+    p.add_argument("--head-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a head option for every head that has it (repeatable), e.g. draft_vocab_size=16384")
     p.add_argument("--quick", action="store_true", help="tiny random target, lengths 32 and 64 (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -145,9 +162,24 @@ def make_batch(target, length: int, batch: int, device, prompt_share: float = 0.
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask.contiguous()}
 
 
+HEAD_OPTIONS: dict = {}  # --head-option KEY=VALUE, for every head that has KEY
+
+
 def head_options(kind: str) -> dict:
     cfg = OmegaConf.load(bc.REPO / "conf" / "head" / f"{kind}.yaml")
-    return OmegaConf.to_container(cfg.options, resolve=True)
+    options = OmegaConf.to_container(cfg.options, resolve=True)
+    options.update({key: value for key, value in HEAD_OPTIONS.items() if key in options})
+    return options
+
+
+def parse_head_options(pairs: list[str]) -> dict:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            sys.exit(f"error: --head-option takes KEY=VALUE (e.g. draft_vocab_size=16384), got {pair!r}")
+        options[key] = yaml.safe_load(value)
+    return options
 
 
 WHOLE_VOCAB = {"eagle3": {"draft_vocab_size": 32000}}  # EAGLE-3's read-out is its draft vocabulary
@@ -223,6 +255,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not 0 <= args.prompt_share < 1:
         sys.exit(f"error: --prompt-share must be in [0, 1) (the prompt's share of each row), got {args.prompt_share}")
+    HEAD_OPTIONS.update(parse_head_options(args.head_option))
     if args.allocator:
         return allocator(args, argv)
     torch.manual_seed(0)
@@ -243,6 +276,8 @@ def main(argv=None) -> None:
         attention(target, args)
     elif args.muon:
         muon(target, args)
+    elif args.row_blocks:
+        row_blocks(target, args)
     else:
         vocabulary(target, args)
 
@@ -350,34 +385,64 @@ UNROLLING_HEADS = ("eagle", "eagle3")  # heads whose training step unrolls a tra
 
 def attention(target, args) -> None:
     """Head step tokens/s of the unrolling heads' defaults: chain attention vs SDPA with the dense chain mask."""
-    from headway.heads.kernels.allocator import keep_freed_memory
     from headway.heads.kernels.chain_attention import dense_chain_masks
     kinds = [kind for kind in args.heads if kind in UNROLLING_HEADS]
     if not kinds:
         sys.exit(f"error: --attention times the heads that unroll a training-time test ({', '.join(UNROLLING_HEADS)}); "
                  f"--heads names none of them")
+    compare_defaults(target, args, kinds, "attention", ("chain", nullcontext), ("dense mask", dense_chain_masks),
+                     "the unroll's attention as chain attention and as SDPA with the dense mask",
+                     "chain attention", "a dense mask")
+
+
+@contextmanager
+def loss_in_one_block():
+    """The distillation loss's passes over whole [n, V] tensors (one row block), as before row blocks."""
+    saved = layers.ROW_BLOCK_BYTES
+    layers.ROW_BLOCK_BYTES = 1 << 62
+    try:
+        yield
+    finally:
+        layers.ROW_BLOCK_BYTES = saved
+
+
+def row_blocks(target, args) -> None:
+    """Head step tokens/s of the defaults with the distillation loss in row blocks and in one block."""
+    compare_defaults(target, args, args.heads, "loss", ("row blocks", nullcontext), ("one block", loss_in_one_block),
+                     "the distillation loss in row blocks and in one block", "row blocks", "one block")
+
+
+def compare_defaults(target, args, kinds, column: str, new: tuple, old: tuple, what: str, new_words: str,
+                     old_words: str) -> None:
+    """Each head's default step (the job's precision here, freed memory kept) under the context managers of the
+    `new` and `old` (name, context) sides, interleaved; the table, and new / old tokens/s per head."""
+    from headway.heads.kernels.allocator import keep_freed_memory
+
     keep_freed_memory()  # as the training job steps
     autocast = job_autocast(args)
-    print(f"head step only (forward + backward + AdamW), defaults, {'bf16 autocast' if autocast else 'fp32'}, batch "
-          f"{args.vocab_batch} x {args.vocab_length} tokens, {args.steps} timed steps per point, the unroll's "
-          f"attention as chain attention and as SDPA with the dense mask, interleaved")
+    print(f"head step only (forward + backward + AdamW), defaults{head_option_note()}, "
+          f"{'bf16 autocast' if autocast else 'fp32'}, batch {args.vocab_batch} x {args.vocab_length} tokens, "
+          f"{args.steps} timed steps per point, {what}, interleaved")
     batch = make_batch(target, args.vocab_length, args.vocab_batch, args.device, args.prompt_share)
     tokens = args.vocab_batch * args.vocab_length
     rows, speedup = [], {}
     for kind in kinds:
         head, feats = default_head(kind, target, batch, args)
 
-        def dense_step(h=head, f=feats):
-            with dense_chain_masks():
+        def step_in(context, h=head, f=feats):
+            with context():
                 return time_head(h, batch, f, args, autocast)[0]
 
-        best = best_interleaved({"dense mask": dense_step,
-                                 "chain": lambda h=head, f=feats: time_head(h, batch, f, args, autocast)[0]})
-        rows += [{"head": kind, "attention": name, "head ms/step": 1e3 * t, "train tok/s": tokens / t}
+        best = best_interleaved({name: (lambda c=context: step_in(c)) for name, context in (old, new)})
+        rows += [{"head": kind, column: name, "head ms/step": 1e3 * t, "train tok/s": tokens / t}
                  for name, t in best.items()]
-        speedup[kind] = best["dense mask"] / best["chain"]
+        speedup[kind] = best[old[0]] / best[new[0]]
         del head
-    report_speedups(rows, "\n(best of 3 interleaved repeats)", speedup, "chain attention", "a dense mask")
+    report_speedups(rows, "\n(best of 3 interleaved repeats)", speedup, new_words, old_words)
+
+
+def head_option_note() -> str:
+    return "".join(f", {key}={value}" for key, value in HEAD_OPTIONS.items())
 
 
 def muon(target, args) -> None:

@@ -39,7 +39,7 @@ def test_soft_cross_entropy_passes_gradcheck():
     p[0, 0] = 0.0  # no support
     p[2, 1, :4] = 0.0  # partial support: p sums to less than 1
     logits = torch.randn(3, 5, 9, generator=g, dtype=torch.double, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda z: SoftCrossEntropy.apply(z, p), (logits,))
+    assert torch.autograd.gradcheck(lambda z: SoftCrossEntropy.apply(z.reshape(-1, 9), p.reshape(-1, 9)), (logits,))
 
 
 def test_a_minus_inf_head_logit_where_the_target_has_no_mass_stays_finite():
@@ -52,3 +52,28 @@ def test_a_minus_inf_head_logit_where_the_target_has_no_mass_stays_finite():
     kl.sum().backward()
     assert torch.isfinite(kl).all() and torch.isfinite(logits.grad).all()
     torch.testing.assert_close(kl, textbook_kl(logits.detach(), target))
+
+
+def test_the_loss_in_row_blocks_equals_the_loss_in_one_block(monkeypatch):
+    from headway.heads import layers
+
+    g = torch.Generator().manual_seed(2)
+    target = torch.randn(23, 40, generator=g).bfloat16()  # the target's logits come in the compute dtype
+    target[3, :30] = float("-inf")
+    logits = torch.randn(23, 40, generator=g).bfloat16().requires_grad_()
+    weights = torch.rand(23, generator=g)
+
+    def loss_and_grad(temperature):
+        kl = TargetDistribution(target, temperature).kl(logits)
+        grad, = torch.autograd.grad((kl * weights).sum(), logits)
+        return kl, grad
+
+    for temperature in (1.0, 0.5):
+        whole = loss_and_grad(temperature)
+        monkeypatch.setattr(layers, "ROW_BLOCK_BYTES", 4 * 40 * 5)  # blocks of 5 rows: 4 full, 1 of 3
+        assert len(layers.row_blocks(logits)) == 5
+        blocks = loss_and_grad(temperature)
+        monkeypatch.undo()
+        torch.testing.assert_close(blocks, whole, rtol=0, atol=0)
+        expected = textbook_kl(logits.detach().float(), target.float() / temperature)
+        torch.testing.assert_close(whole[0], expected)

@@ -253,3 +253,23 @@ def test_a_device_that_is_not_there_is_one_error_line(script, capsys, name, devi
     out, err = capsys.readouterr()
     assert exit_.value.code == 2 and not out
     assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: --device {device} ") and why in err
+
+
+def test_bench_train_row_blocks_with_a_head_option(script, capsys):
+    """Row blocks and one block per head, the head option applied to the heads that have it; the headline is
+    EAGLE-3's ratio of the table's step times (no EAGLE here)."""
+    lines = run(script("bench_train"), ["--quick", "--row-blocks", "--heads", "eagle3", "mtp",
+                                        "--head-option", "draft_vocab_size=64"], capsys)
+    assert "draft_vocab_size=64" in lines[0] + lines[1]
+    rows = {(r[0], r[1]): float(r[-2]) for r in map(str.split, lines[:-1]) if r[:1] in (["eagle3"], ["mtp"])
+            and len(r) in (5, 6)}  # "eagle3 one block ms tok/s", "eagle3 row blocks ms tok/s"
+    assert set(rows) == {(h, b) for h in ("eagle3", "mtp") for b in ("one", "row")}
+    assert lines[-1].startswith("eagle3 head step, row blocks vs one block")
+    ratio = rows["eagle3", "one"] / rows["eagle3", "row"]
+    assert float(HEADLINE.search(lines[-1])[0][2:-1]) == pytest.approx(ratio, abs=0.02)
+
+
+def test_bench_train_head_option_without_a_value_is_one_error_line(script, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        script("bench_train").main(["--quick", "--row-blocks", "--head-option", "draft_vocab_size"])
+    assert "error: --head-option takes KEY=VALUE" in str(exit_.value.code)
