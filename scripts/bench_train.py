@@ -70,7 +70,6 @@ from pathlib import Path
 
 import bench_common as bc
 import torch
-import yaml
 from omegaconf import OmegaConf
 
 from headway.heads import layers
@@ -173,13 +172,11 @@ def head_options(kind: str) -> dict:
 
 
 def parse_head_options(pairs: list[str]) -> dict:
-    options = {}
     for pair in pairs:
-        key, sep, value = pair.partition("=")
+        key, sep, _ = pair.partition("=")
         if not sep or not key:
             sys.exit(f"error: --head-option takes KEY=VALUE (e.g. draft_vocab_size=16384), got {pair!r}")
-        options[key] = yaml.safe_load(value)
-    return options
+    return OmegaConf.to_container(OmegaConf.from_dotlist(pairs))  # values typed as on a Hydra command line
 
 
 WHOLE_VOCAB = {"eagle3": {"draft_vocab_size": 32000}}  # EAGLE-3's read-out is its draft vocabulary
