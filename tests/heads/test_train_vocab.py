@@ -157,3 +157,25 @@ def test_eagle3_noise_changes_training_only(target, batch):
         drafted = head(batch["input_ids"], batch["loss_mask"], feats)
         plain = quiet(batch["input_ids"], batch["loss_mask"], feats)
     torch.testing.assert_close(drafted.loss, plain.loss)  # inference never sees the noise
+
+
+def test_a_frozen_readout_reads_its_training_rows_from_a_cache_that_follows_the_ids_and_autocast(target):
+    """The frozen LM head's training rows are gathered once (not per step): the logits equal the gathered rows'
+    exactly, in fp32 and under bf16 autocast, a new training vocabulary is read at once, and the gradient still
+    reaches the head's hidden state."""
+    V, h = target.config.vocab_size, target.config.hidden_size
+    head = make_head("eagle", target, train_vocab=41)
+    lm_head = head.frozen["lm_head"]
+    hidden = torch.randn(6, h, requires_grad=True)
+    for seed in (1, 2):  # a second init_from_data picks other ids
+        head.init_from_data(torch.randint(0, 100, (V,), generator=torch.Generator().manual_seed(seed)))
+        rows = lm_head.weight[head.train_ids]  # [Vt, h]
+        torch.testing.assert_close(head.train_readout(hidden, lm_head), hidden @ rows.T, rtol=0, atol=0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = head.train_readout(hidden, lm_head)
+            expected = hidden @ rows.T
+        assert logits.dtype == torch.bfloat16
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    head.train_readout(hidden, lm_head).sum().backward()
+    torch.testing.assert_close(hidden.grad, rows.sum(0).expand(6, -1), rtol=1e-5, atol=1e-5)
+    assert lm_head.weight.grad is None
