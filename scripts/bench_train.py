@@ -24,6 +24,7 @@ per token can be checked to grow no worse than linearly with the sequence length
     python scripts/bench_train.py --muon --heads eagle3 --prompt-share 0.26   # optim=muon: orthogonalised in bf16 vs fp32
     ONEDNN_MAX_CPU_ISA=AVX2 python scripts/bench_train.py --muon --heads eagle3 --prompt-share 0.26   # as on a CPU without bf16
     python scripts/bench_train.py --row-blocks --heads eagle3 --prompt-share 0.26 --head-option draft_vocab_size=16384
+    python scripts/bench_train.py --frozen-rows --heads eagle mtp --prompt-share 0.26   # frozen read-out rows cached vs gathered
 
 With --precision, each head's default step (training vocabulary) runs in fp32 and under bf16 autocast
 (precision=bf16, what precision=auto picks on a GPU and on a CPU with AMX), interleaved; the last line is
@@ -50,6 +51,12 @@ with the distillation loss computed block by block of rows (heads.layers.row_blo
 a block of the [n, V] logits in cache) and in one block (each pass over the whole [n, V] tensor, streamed from
 memory), interleaved; the last line is EAGLE's (else the first head's) blocks / one block tokens/s. Heads trained with hard
 labels (MTP, Medusa with loss=ce) do not use that loss and come out level.
+
+With --frozen-rows, each head's default step (the job's precision, freed memory kept) runs with the training rows
+of the frozen read-out (the target's LM head, which EAGLE and MTP train through and every head's target logits come
+from) gathered once and kept transposed in the autocast dtype (the default), and gathered, then cast, in every
+call (before), interleaved; the last line is EAGLE's cached / gathered tokens/s. Medusa's and EAGLE-3's own
+read-outs are trained, not frozen.
 
 --head-option KEY=VALUE (repeatable) changes a head option for every head that has it (e.g. EAGLE-3's
 draft_vocab_size=16384).
@@ -102,6 +109,8 @@ def parse_args(argv=None):
                    help="the default head step with optim=muon: orthogonalised in bf16 (torch) vs fp32")
     p.add_argument("--row-blocks", action="store_true",
                    help="the default head step: the distillation loss block by block of rows vs in one block")
+    p.add_argument("--frozen-rows", action="store_true",
+                   help="the default head step: the frozen read-out's training rows cached vs gathered per call")
     p.add_argument("--head-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a head option for every head that has it (repeatable), e.g. draft_vocab_size=16384")
     p.add_argument("--quick", action="store_true", help="tiny random target, lengths 32 and 64 (smoke test)")
@@ -275,6 +284,8 @@ def main(argv=None) -> None:
         muon(target, args)
     elif args.row_blocks:
         row_blocks(target, args)
+    elif args.frozen_rows:
+        frozen_rows(target, args)
     else:
         vocabulary(target, args)
 
@@ -407,6 +418,27 @@ def row_blocks(target, args) -> None:
     """Head step tokens/s of the defaults with the distillation loss in row blocks and in one block."""
     compare_defaults(target, args, args.heads, "loss", ("row blocks", nullcontext), ("one block", loss_in_one_block),
                      "the distillation loss in row blocks and in one block", "row blocks", "one block")
+
+
+@contextmanager
+def frozen_rows_gathered_per_call():
+    """The frozen read-out's training rows gathered from the whole matrix (and cast by autocast) in every call."""
+    from headway.heads.base import DraftHead
+
+    saved = DraftHead._frozen_train_rows
+    DraftHead._frozen_train_rows = lambda self, weight, ids: weight[ids].T
+    try:
+        yield
+    finally:
+        DraftHead._frozen_train_rows = saved
+
+
+def frozen_rows(target, args) -> None:
+    """Head step tokens/s of the defaults with the frozen read-out's training rows cached and gathered per call."""
+    compare_defaults(target, args, args.heads, "frozen rows", ("cached", nullcontext),
+                     ("gathered", frozen_rows_gathered_per_call),
+                     "the frozen read-out's training rows cached and gathered per call", "cached rows",
+                     "rows gathered per call")
 
 
 def compare_defaults(target, args, kinds, column: str, new: tuple, old: tuple, what: str, new_words: str,

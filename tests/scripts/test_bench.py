@@ -269,6 +269,17 @@ def test_bench_train_row_blocks_with_a_head_option(script, capsys):
     assert float(HEADLINE.search(lines[-1])[0][2:-1]) == pytest.approx(ratio, abs=0.02)
 
 
+def test_bench_train_frozen_rows(script, capsys):
+    """Cached and gathered frozen rows per head; the headline is EAGLE's ratio of the table's step times."""
+    lines = run(script("bench_train"), ["--quick", "--frozen-rows", "--heads", "mtp", "eagle"], capsys)
+    rows = {(r[0], r[1]): float(r[-1]) for r in map(str.split, lines[:-1]) if r[:1] in (["eagle"], ["mtp"])
+            and len(r) == 4}  # "eagle cached ms tok/s", "eagle gathered ms tok/s": tokens/s
+    assert set(rows) == {(h, side) for h in ("eagle", "mtp") for side in ("cached", "gathered")}
+    assert lines[-1].startswith("eagle head step, cached rows vs rows gathered per call")
+    ratio = rows["eagle", "cached"] / rows["eagle", "gathered"]
+    assert float(HEADLINE.search(lines[-1])[0][2:-1]) == pytest.approx(ratio, abs=0.02)
+
+
 def test_bench_train_head_option_without_a_value_is_one_error_line(script, capsys):
     with pytest.raises(SystemExit) as exit_:
         script("bench_train").main(["--quick", "--row-blocks", "--head-option", "draft_vocab_size"])
