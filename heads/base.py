@@ -209,6 +209,7 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         self.target_spec = target.spec
         self.frozen.clear()
         self.frozen.update(target_parts(target.model))
+        self._rows.clear()  # rows copied from another target's matrices (keyed by their addresses)
 
     def init_from_target(self) -> None:
         """Copy target weights into the head's own parameters where the design says so (e.g. Medusa's
@@ -221,6 +222,7 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         size = self.options.get("train_vocab")
         V = self.target_config.vocab_size
         self._train_ids = None if size is None or size >= V else most_frequent(token_counts, size)
+        self._rows.clear()  # the frozen read-out's training rows follow the ids
 
     def carry_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """A saved state of this kind, fitted to this head where its data-chosen sizes differ (`init_from`
@@ -334,12 +336,13 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         dtype = weight.dtype
         if torch.is_autocast_enabled(weight.device.type):
             dtype = torch.get_autocast_dtype(weight.device.type)
-        key = ("train", weight.data_ptr(), weight._version, ids.data_ptr(), ids.numel(), dtype)
-        if key not in self._rows:
-            for stale in [k for k in self._rows if k[0] == "train"]:  # the ids or the dtype changed
+        key = ("train", weight.data_ptr(), weight._version, weight.device, dtype)
+        cached = self._rows.get(key)
+        if cached is None or not torch.equal(cached[0], ids):  # the ids are compared, not trusted by address
+            for stale in [k for k in self._rows if k[0] == "train"]:
                 del self._rows[stale]
-            self._rows[key] = weight.detach()[ids].T.to(dtype).contiguous()
-        return self._rows[key]
+            cached = self._rows[key] = (ids.clone(), weight.detach()[ids].T.to(dtype).contiguous())
+        return cached[1]
 
     @torch.no_grad()
     def target_train_logits(self, feats: TargetFeatures, where: Tensor | None = None) -> Tensor:

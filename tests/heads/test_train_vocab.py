@@ -179,3 +179,6 @@ def test_a_frozen_readout_reads_its_training_rows_from_a_cache_that_follows_the_
     head.train_readout(hidden, lm_head).sum().backward()
     torch.testing.assert_close(hidden.grad, rows.sum(0).expand(6, -1), rtol=1e-5, atol=1e-5)
     assert lm_head.weight.grad is None
+    head.train_ids.copy_(head.train_ids.flip(0))  # ids changed in place (as a loaded EAGLE-3 d2t is): same address
+    torch.testing.assert_close(head.train_readout(hidden, lm_head).detach(), hidden.detach() @ rows.flip(0).T,
+                               rtol=0, atol=0)
