@@ -151,7 +151,8 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         self.token_counts: Tensor | None = None  # [V] loss-masked training token frequencies
         self.draft_vocab: Tensor | None = None  # [k] ascending target ids drafts may use (None: all)
         self.acceptance: list[float] = []  # per-depth top-1 acceptance measured at its last validation
-        object.__setattr__(self, "_rows", {})  # read-out matrix id -> (its rows for draft_vocab, their slots); frozen training rows
+        object.__setattr__(self, "_rows", {})  # read-out matrix id -> (its rows for draft_vocab, their slots); "train": the
+        # frozen read-out's training rows (_frozen_train_rows)
         self._train_ids: Tensor | None = None  # [Vt] ascending target ids the training read-out scores
 
     # ------------------------------------------------------------------- what each head implements
@@ -222,7 +223,6 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         size = self.options.get("train_vocab")
         V = self.target_config.vocab_size
         self._train_ids = None if size is None or size >= V else most_frequent(token_counts, size)
-        self._rows.clear()  # the frozen read-out's training rows follow the ids
 
     def carry_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """A saved state of this kind, fitted to this head where its data-chosen sizes differ (`init_from`
@@ -336,13 +336,11 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         dtype = weight.dtype
         if torch.is_autocast_enabled(weight.device.type):
             dtype = torch.get_autocast_dtype(weight.device.type)
-        key = ("train", weight.data_ptr(), weight._version, weight.device, dtype)
-        cached = self._rows.get(key)
-        if cached is None or not torch.equal(cached[0], ids):  # the ids are compared, not trusted by address
-            for stale in [k for k in self._rows if k[0] == "train"]:
-                del self._rows[stale]
-            cached = self._rows[key] = (ids.clone(), weight.detach()[ids].T.to(dtype).contiguous())
-        return cached[1]
+        matrix = (weight.data_ptr(), weight._version, dtype)  # attach() clears the cache when the target changes
+        cached = self._rows.get("train")  # one entry: (matrix, ids, rows)
+        if cached is None or cached[0] != matrix or not torch.equal(cached[1], ids):  # ids by value, not address
+            cached = self._rows["train"] = (matrix, ids.clone(), weight.detach()[ids].T.to(dtype).contiguous())
+        return cached[2]
 
     @torch.no_grad()
     def target_train_logits(self, feats: TargetFeatures, where: Tensor | None = None) -> Tensor:
