@@ -151,8 +151,8 @@ class DraftHead(nn.Module, metaclass=ABCMeta):
         self.token_counts: Tensor | None = None  # [V] loss-masked training token frequencies
         self.draft_vocab: Tensor | None = None  # [k] ascending target ids drafts may use (None: all)
         self.acceptance: list[float] = []  # per-depth top-1 acceptance measured at its last validation
-        object.__setattr__(self, "_rows", {})  # read-out matrix id -> (its rows for draft_vocab, their slots); "train": the
-        # frozen read-out's training rows (_frozen_train_rows)
+        # read-out matrix id -> (its rows for draft_vocab, their slots); "train" -> the frozen read-out's training rows
+        object.__setattr__(self, "_rows", {})
         self._train_ids: Tensor | None = None  # [Vt] ascending target ids the training read-out scores
 
     # ------------------------------------------------------------------- what each head implements
