@@ -8,7 +8,10 @@ hits all alike: speculative decoding with the drafter, the engine's plain decodi
 It prints a table and writes OUTPUT/eval.json:
 
     {"target", "head", "temperature", "num_prompts",
+     "max_new_tokens",
      "tau",                          emitted tokens per target verification forward, bonus included
+     "tau_ci95",                     [low, high]: the 95% percentile bootstrap interval of tau over the prompts
+                                     (infer.intervals; scripts/compare_evals.py compares two heads pairwise)
      "acceptance_by_depth",          P(depth d accepted | depth d-1 accepted)
      "by_category": {cat: {"tau", "num_prompts"}},
      "tokens_per_second": {"speculative", "vanilla", "hf_generate"},
@@ -21,11 +24,14 @@ It prints a table and writes OUTPUT/eval.json:
                                      mean ms per step: the plain engine's, and a speculative step split
                                      into drafting, the target's forward over the tree, and accepting
                                      (verify, cache, commit); why speedup_vs_vanilla is what it is
-     "draft_vocab_coverage": {"draft_vocab", "by_size": {N: share}}}
+     "draft_vocab_coverage": {"draft_vocab", "by_size": {N: share}},
                                      a head's, greedy: the share of the target's reply tokens its drafts
                                      can propose at all (the ceiling of depth-1 acceptance), and the
                                      share inside its N most frequent training tokens (what a larger
                                      draft vocabulary would cover); null for other drafters or sampling
+     "per_prompt": [{"prompt", "category", "emitted", "steps"}]}
+                                     each prompt's emitted tokens and target steps, in the order run;
+                                     "prompt" is the first 16 hex digits of the prompt's SHA-1
 
 and OUTPUT/eval.png (acceptance by depth, tau by category). A baseline left out of `baselines` gets null.
 Bad input (a checkpoint for another target, a corrupted or missing safetensors file, an empty, malformed or
@@ -55,6 +61,7 @@ from headway.heads.files import atomic_path, write_text_atomic
 from headway.heads.target import TargetError, TargetSpec, device_problem, load_target, recorded_spec, target_preset
 from headway.infer.engine import CacheFullError, EngineError, Engine, GenerationStats, encode_prompts
 from headway.infer.hf_generate import generation_config, hf_generate
+from headway.infer.intervals import prompt_key, tau_interval
 from headway.infer.prompt_sets import PromptSetError, load_prompt_set
 from headway.heads.sampling import is_greedy
 from headway.heads.kernels.weight_layout import check_layout, current_layout
@@ -208,6 +215,7 @@ class Tally:
     seconds: dict[str, float] = field(default_factory=dict)
     prompts: int = 0
     replies: list[list[int]] = field(default_factory=list)  # plain decoding's tokens (greedy: the target's own)
+    per_prompt: list[dict] = field(default_factory=list)  # each prompt's emitted tokens and steps (eval.json)
 
     def add_steps(self, stats: GenerationStats) -> None:
         self.speculative.add(stats)
@@ -249,6 +257,8 @@ def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]],
     for i, (row, ids) in enumerate(zip(rows, prompt_ids)):
         s = spec.generate([ids], **sampling, seed=cfg.seed + i)
         cat = by_cat.setdefault(row["category"], Tally())
+        total.per_prompt.append({"prompt": prompt_key(row["prompt"]), "category": row["category"],
+                                 "emitted": s.stats.emitted, "steps": s.stats.row_steps})
         for tally in (total, cat):
             tally.add_steps(s.stats)
             tally.add_time("speculative", s.stats.new_tokens, s.stats.prefill_s + s.stats.decode_s)
@@ -295,7 +305,9 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "head": head_name,
         "temperature": float(cfg.temperature),
         "num_prompts": total.prompts,
+        "max_new_tokens": int(cfg.max_new_tokens),
         "tau": total.tau,
+        "tau_ci95": tau_interval(*zip(*[(p["emitted"], p["steps"]) for p in total.per_prompt])),
         "acceptance_by_depth": total.speculative.acceptance_by_depth,
         "by_category": {c: {"tau": t.tau, "num_prompts": t.prompts} for c, t in sorted(by_cat.items())},
         "tokens_per_second": tps,
@@ -306,6 +318,7 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "weight_layout": current_layout(target.model),  # the engines' (HF generate() runs the stock one)
         "step_ms": total.step_ms(),
         "draft_vocab_coverage": coverage,
+        "per_prompt": total.per_prompt,
     }
 
 
@@ -318,6 +331,9 @@ def print_report(res: dict, out=print) -> None:
     for cat, r in res["by_category"].items():
         out(f"{cat:<16} {r['num_prompts']:>7} {r['tau']:>6.2f}")
     out(f"{'all':<16} {res['num_prompts']:>7} {res['tau']:>6.2f}")
+    if res.get("tau_ci95"):
+        low, high = res["tau_ci95"]
+        out(f"tau {res['tau']:.3f}, 95% interval over these prompts {low:.3f}-{high:.3f}")
     out("acceptance by depth: " + "  ".join(f"d{d + 1} {a:.3f}" for d, a in enumerate(res["acceptance_by_depth"])))
     out(f"{'method':<16} {'tokens/s':>9} {'speculative is':>15}")
     for method, tps in res["tokens_per_second"].items():

@@ -1,6 +1,8 @@
 """Recipe ablations: train one head per variant (each a set of overrides of the same job), evaluate every
 head on held-out prompts with one fixed tree, and print a table of validation simulated tau, held-out tau
-and acceptance by depth, and CPU minutes per variant.
+and acceptance by depth, each variant's held-out tau minus the first variant's with its 95% interval (paired
+over the same prompts, infer.intervals; an interval that holds zero is no evidence either way), and CPU
+minutes per variant.
 
     python scripts/ablate.py --head eagle3 --out runs/ablate-eagle3 \
         --variant base= --variant lr1e-3=optim.lr=1e-3 --variant muon=optim=muon,optim.lr=1e-3
@@ -23,6 +25,8 @@ import resource
 import subprocess
 import sys
 from pathlib import Path
+
+from headway.infer.intervals import IntervalError, compare_results
 
 REPO = Path(__file__).resolve().parents[1]
 FIXED_TREE = ["budget=static", "+draft.policy=dynamic", "+draft.total_tokens=8", "+draft.depth=3",
@@ -105,14 +109,16 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     sets = [(s.split(":")[0], int(s.split(":")[1])) for s in args.prompts]
-    table = []
+    table, first = [], {}  # first: the first variant's eval.json per prompt set
     for spec in args.variant:
         name, _, text = spec.partition("=")
         run, minutes = train(args, name, overrides(text))
         row = {"variant": name, "overrides": text or "-", "val sim tau": last_validation(run).get("sim_tau")}
         for prompts, count in sets:
             result = evaluate(args, run, prompts, count)
+            first.setdefault(prompts, result)
             row[f"{prompts} tau"] = result.get("tau")
+            row[f"{prompts} minus first (95%)"] = paired(first[prompts], result) if table else "-"
             row[f"{prompts} acceptance"] = ", ".join(f"{a:.2f}" for a in result.get("acceptance_by_depth", [])[:3])
         row["train CPU min"] = minutes
         table.append(row)
@@ -120,6 +126,15 @@ def main(argv=None) -> None:
         print_table(table)
     if args.plot:
         print(f"plot: {plot_curve(table, args.plot, [p for p, _ in sets], args.out)}")
+
+
+def paired(base: dict, other: dict) -> str:
+    """other's tau minus base's on the same prompts, with its paired 95% interval: '+0.031 [-0.012, +0.075]'."""
+    try:
+        d = compare_results(base, other)
+    except IntervalError:  # an evaluation reused from before per-prompt counts were recorded
+        return "-"
+    return f"{d.delta:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
 
 
 def plot_curve(table: list[dict], key: str, prompt_sets: list[str], out: Path) -> Path:

@@ -64,7 +64,7 @@ def eval_table(results: list[dict]) -> str:
     for r in results:
         tps = r.get("tokens_per_second") or {}
         acc = ", ".join(_fmt(a) for a in r.get("acceptance_by_depth") or [])
-        rows.append(f"| {r['_set']} | {_fmt(r.get('temperature'), 1)} | {_fmt(r.get('tau'))} | {acc or '–'} "
+        rows.append(f"| {r['_set']} | {_fmt(r.get('temperature'), 1)} | {_tau_cell(r)} | {acc or '–'} "
                     f"| {_fmt(tps.get('speculative'), 1)} / {_fmt(tps.get('vanilla'), 1)} / "
                     f"{_fmt(tps.get('hf_generate'), 1)} | {_fmt(r.get('speedup_vs_vanilla'))}x "
                     f"| {_fmt(r.get('speedup_vs_hf_generate'))}x | {r.get('num_prompts', '–')} "
@@ -74,9 +74,18 @@ def eval_table(results: list[dict]) -> str:
         rows += ["", "| eval | temperature | category | tau | prompts |", "|---|---|---|---|---|"]
         rows += [f"| {r['_set']} | {_fmt(r.get('temperature'), 1)} | {c} | {_fmt(v.get('tau'))} "
                  f"| {v.get('num_prompts', '–')} |" for r, c, v in by_cat]
-    rows += ["", "tau = tokens emitted per target forward (the bonus token included); acceptance by depth is "
-                 "conditional on the previous depth being accepted; speedups are measured in the same run."]
+    rows += ["", "tau = tokens emitted per target forward (the bonus token included), with its 95% interval over "
+                 "the prompts where recorded; acceptance by depth is conditional on the previous depth being accepted; "
+                 "speedups are measured in the same run."]
     return "\n".join(rows) + "\n"
+
+
+def _tau_cell(r: dict) -> str:
+    """'2.41 (2.30-2.52)': tau and its 95% interval over the prompts, where the evaluation recorded one."""
+    ci = r.get("tau_ci95")
+    if isinstance(ci, list) and len(ci) == 2 and all(isinstance(v, (int, float)) for v in ci):
+        return f"{_fmt(r.get('tau'))} ({_fmt(ci[0])}-{_fmt(ci[1])})"
+    return _fmt(r.get("tau"))
 
 
 # ------------------------------------------------------------------------------------------- recipe

@@ -15,12 +15,13 @@ from hydra import compose, initialize_config_dir
 from headway.heads.base import build_head, save_head
 from headway.heads.target import TargetSpec, load_target
 from headway.infer import evaluate as ev
+from headway.infer.intervals import prompt_key
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"path": "tiny-random", "name": "tiny-random"}
 SCHEMA = {"target", "head", "temperature", "num_prompts", "tau", "acceptance_by_depth", "by_category",
           "tokens_per_second", "speedup_vs_vanilla", "speedup_vs_hf_generate", "greedy_match", "draft",
-          "weight_layout", "step_ms", "draft_vocab_coverage"}
+          "weight_layout", "step_ms", "draft_vocab_coverage", "max_new_tokens", "tau_ci95", "per_prompt"}
 PROMPTS = [{"prompt": "Name three colours.", "category": "writing"},
            {"prompt": "abc abc abc abc abc", "category": "coding"},
            {"prompt": "What is 2 + 2?"}]  # no category: counted as "general"
@@ -73,6 +74,13 @@ def test_eval_json_schema_and_greedy_output_equals_plain(head_dir, prompts_file,
     cat_taus = [c["tau"] for c in written["by_category"].values()]
     assert min(cat_taus) <= written["tau"] <= max(cat_taus)  # all steps pooled: between the categories
     assert all(0.0 <= a <= 1.0 for a in written["acceptance_by_depth"])
+    rows = written["per_prompt"]  # each prompt's counts, in the order run; pooled they are tau
+    assert [r["category"] for r in rows] == ["writing", "coding", "general"] and written["max_new_tokens"] == 12
+    assert [r["prompt"] for r in rows] == [prompt_key(p["prompt"]) for p in PROMPTS]
+    assert sum(r["emitted"] for r in rows) / sum(r["steps"] for r in rows) == pytest.approx(written["tau"])
+    low, high = written["tau_ci95"]
+    assert min(r["emitted"] / r["steps"] for r in rows) <= low <= written["tau"] <= high \
+        <= max(r["emitted"] / r["steps"] for r in rows)
     assert {c: r["num_prompts"] for c, r in written["by_category"].items()} == {"coding": 1, "general": 1,
                                                                                  "writing": 1}
     assert set(written["tokens_per_second"]) == {"speculative", "vanilla", "hf_generate"}

@@ -48,3 +48,16 @@ def test_evaluation_runs_on_the_threads_training_was_given(ablate, monkeypatch):
     assert env["OMP_NUM_THREADS"] == "1" and env["HEADWAY_CACHE"] == "/somewhere"
     assert ablate.eval_env("train.max_steps=200") is None  # no setting: the evaluator's own default
     assert ablate.eval_env("cpu_threads=auto") is None
+
+
+def test_each_variant_is_set_against_the_first_on_the_same_prompts(ablate):
+    def res(tau_per_prompt):
+        rows = [{"prompt": f"p{i}", "category": "c", "emitted": round(t * 100), "steps": 100}
+                for i, t in enumerate(tau_per_prompt)]
+        return {"tau": sum(tau_per_prompt) / len(tau_per_prompt), "temperature": 0.0, "per_prompt": rows}
+
+    base = res([1.5, 2.0, 2.5, 3.0] * 6)
+    assert ablate.paired(base, res([1.6, 2.1, 2.6, 3.1] * 6)) == "+0.100 [+0.100, +0.100]"
+    low, high = ablate.paired(base, res([1.6, 1.9, 2.6, 2.9] * 6))[8:-1].split(", ")
+    assert float(low) < 0 < float(high)  # gains and losses that cancel: the interval holds zero
+    assert ablate.paired(base, {"tau": 2.0}) == "-"  # an evaluation from before per-prompt counts

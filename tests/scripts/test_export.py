@@ -479,13 +479,14 @@ def test_card_carries_the_measured_table(target, finals, tmp_path):
             "target": "tiny-random", "head": "eagle", "temperature": temp, "num_prompts": 12, "tau": tau,
             "acceptance_by_depth": [0.61, 0.44], "by_category": {"code": {"tau": tau + 0.1, "num_prompts": 6}},
             "tokens_per_second": {"speculative": 90.5, "vanilla": 60.2, "hf_generate": 55.0},
-            "speedup_vs_vanilla": 1.5, "speedup_vs_hf_generate": 1.65, "greedy_match": 1.0, "hardware": "2-core CPU"}))
+            "speedup_vs_vanilla": 1.5, "speedup_vs_hf_generate": 1.65, "greedy_match": 1.0, "hardware": "2-core CPU",
+            **({"tau_ci95": [2.30, 2.52]} if temp == 0 else {})}))  # older eval.json files have no interval
         evals.append(str(path))
     out = export_head(final, tmp_path / "e", "eagle", target=target, eval_path=evals, base_model="org/target",
                       where="org/head")
     card = ModelCard.load(out / "README.md")
     assert card.data.base_model == "org/target"
-    assert "| eval_t0.0 | 0.0 | 2.41 | 0.61, 0.44 |" in card.text and "| eval_t1.0 | 1.0 | 1.87 |" in card.text
+    assert "| eval_t0.0 | 0.0 | 2.41 (2.30-2.52) | 0.61, 0.44 |" in card.text and "| eval_t1.0 | 1.0 | 1.87 |" in card.text
     assert "2-core CPU" in card.text and "| code | 2.51 | 6 |" in card.text
     assert '"model": "org/head"' in card.text and "vllm serve org/target" in card.text
     assert "--speculative-draft-model-path org/head" in card.text
