@@ -61,3 +61,32 @@ def test_each_variant_is_set_against_the_first_on_the_same_prompts(ablate):
     low, high = ablate.paired(base, res([1.6, 1.9, 2.6, 2.9] * 6))[8:-1].split(", ")
     assert float(low) < 0 < float(high)  # gains and losses that cancel: the interval holds zero
     assert ablate.paired(base, {"tau": 2.0}) == "-"  # an evaluation from before per-prompt counts
+
+
+def test_several_seeds_train_on_one_split(ablate):
+    """--seeds 2: runs NAME-seed0/1 whose composed jobs differ in the training seed only, not in the data split."""
+    importlib.import_module("headway.train.config")  # registers the schema the train config extends
+    from hydra import compose, initialize_config_dir
+
+    assert ablate.seed_runs("lr", "optim.lr=1e-3", 1) == [("lr", ["optim.lr=1e-3"])]  # the job's own seed
+    runs = ablate.seed_runs("lr", "optim.lr=1e-3", 2)
+    assert [name for name, _ in runs] == ["lr-seed0", "lr-seed1"]
+    with initialize_config_dir(str(SCRIPTS.parent / "conf"), version_base="1.3"):
+        jobs = [compose("train", overrides=["head=eagle", "experiment=smoke", *extra]) for _, extra in runs]
+    assert [j.train.seed for j in jobs] == [0, 1] and [j.data.split_seed for j in jobs] == [0, 0]
+    assert all(j.optim.lr == 1e-3 for j in jobs)
+
+
+def test_seeds_are_pooled_prompt_by_prompt(ablate):
+    def res(tau, counts, acc):
+        return {"tau": tau, "temperature": 0.0, "acceptance_by_depth": acc,
+                "per_prompt": [{"prompt": k, "emitted": e, "steps": s} for k, (e, s) in counts.items()]}
+
+    seed0 = res(2.0, {"a": (20, 10), "b": (30, 15)}, [0.6, 0.5])
+    seed1 = res(1.9, {"b": (28, 15), "a": (19, 10)}, [0.5, 0.4, 0.3])
+    merged = ablate.over_seeds([seed0, seed1])
+    assert merged["tau"] == pytest.approx(1.95) and merged["seeds_tau"] == [2.0, 1.9]
+    assert merged["acceptance_by_depth"] == pytest.approx([0.55, 0.45])  # the depths both reached
+    assert {r["prompt"]: (r["emitted"], r["steps"]) for r in merged["per_prompt"]} == {"a": (39, 20), "b": (58, 30)}
+    assert ablate.over_seeds([seed0]) is seed0
+    assert "per_prompt" not in ablate.over_seeds([seed0, {"tau": 1.8, "acceptance_by_depth": []}])
