@@ -307,7 +307,7 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "num_prompts": total.prompts,
         "max_new_tokens": int(cfg.max_new_tokens),
         "tau": total.tau,
-        "tau_ci95": tau_interval(*zip(*[(p["emitted"], p["steps"]) for p in total.per_prompt])),
+        "tau_ci95": tau_interval([p["emitted"] for p in total.per_prompt], [p["steps"] for p in total.per_prompt]),
         "acceptance_by_depth": total.speculative.acceptance_by_depth,
         "by_category": {c: {"tau": t.tau, "num_prompts": t.prompts} for c, t in sorted(by_cat.items())},
         "tokens_per_second": tps,

@@ -1,19 +1,16 @@
 """scripts/ablate.py's data-size curve: tau plotted against the value each variant sets."""
 
 import importlib
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def ablate(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    sys.modules.pop("ablate", None)
-    return importlib.import_module("ablate")
+def ablate(load_script):
+    return load_script("ablate")
 
 
 def row(name, text, chat, val):
@@ -71,7 +68,7 @@ def test_several_seeds_train_on_one_split(ablate):
     assert ablate.seed_runs("lr", "optim.lr=1e-3", 1) == [("lr", ["optim.lr=1e-3"])]  # the job's own seed
     runs = ablate.seed_runs("lr", "optim.lr=1e-3", 2)
     assert [name for name, _ in runs] == ["lr-seed0", "lr-seed1"]
-    with initialize_config_dir(str(SCRIPTS.parent / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         jobs = [compose("train", overrides=["head=eagle", "experiment=smoke", *extra]) for _, extra in runs]
     assert [j.train.seed for j in jobs] == [0, 1] and [j.data.split_seed for j in jobs] == [0, 0]
     assert all(j.optim.lr == 1e-3 for j in jobs)

@@ -1,28 +1,18 @@
 """Smoke tests: every benchmark script runs at tiny sizes (`--quick`), prints its table and ends with the
 headline ratio `<number>x`. Times are never asserted."""
 
-import importlib
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 HEADLINE = re.compile(r": \d+(\.\d+)?x$")
 
 
 @pytest.fixture
-def script(monkeypatch, tmp_path):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
+def script(load_script, monkeypatch, tmp_path):
     monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))  # calibration curves land in tmp
-
-    def load(name):
-        sys.modules.pop(name, None)
-        return importlib.import_module(name)
-
-    return load
+    return load_script
 
 
 def run(module, argv, capsys) -> list[str]:

@@ -1,19 +1,15 @@
 """bench_peer's input checks run before anything is built (no venvs needed)."""
 
-import importlib
 import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 @pytest.fixture
-def bench_peer(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    sys.modules.pop("bench_peer", None)
-    return importlib.import_module("bench_peer")
+def bench_peer(load_script):
+    return load_script("bench_peer")
 
 
 def test_a_missing_data_file_is_one_clear_error_before_any_work(bench_peer, tmp_path):

@@ -1,22 +1,17 @@
 """scripts/compare_evals.py: heads side by side with intervals, paired against the first; one error line else."""
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from headway.infer.intervals import prompt_key
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 @pytest.fixture
-def compare(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    sys.modules.pop("compare_evals", None)
-    return importlib.import_module("compare_evals")
+def compare(load_script):
+    return load_script("compare_evals")
 
 
 def write_eval(folder: Path, gain: float, prompts: int = 24) -> Path:
