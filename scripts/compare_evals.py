@@ -37,8 +37,8 @@ def load(path: Path) -> dict:
         raise IntervalError(f"{file} does not exist: give an eval.json or the folder evaluate wrote it to") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise IntervalError(f"{file} is not a readable eval.json ({exc}): evaluate the head again") from None
-    if not isinstance(res, dict) or "tau" not in res:
-        raise IntervalError(f"{file} is not an eval.json (no \"tau\"): give evaluate's output")
+    if not isinstance(res, dict) or not isinstance(res.get("tau"), (int, float)):
+        raise IntervalError(f"{file} is not an eval.json (no numeric \"tau\"): give evaluate's output")
     return res
 
 

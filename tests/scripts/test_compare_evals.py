@@ -40,6 +40,7 @@ def test_a_real_gain_is_above_zero_and_the_noise_of_none_holds_it(compare, tmp_p
     (lambda d: (d / "bad.json").write_text("{not json") and d / "bad.json", "is not a readable eval.json"),
     (lambda d: (d / "old.json").write_text('{"tau": 2.0}') and d / "old.json", "no per-prompt counts"),
     (lambda d: (d / "other.json").write_text('{"x": 1}') and d / "other.json", "is not an eval.json"),
+    (lambda d: (d / "text.json").write_text('{"tau": "high"}') and d / "text.json", "no numeric \"tau\""),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(compare, tmp_path, capsys, make, match):
     base = write_eval(tmp_path / "base", 0.0)
