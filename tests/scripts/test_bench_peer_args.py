@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 
-
 @pytest.fixture
 def bench_peer(load_script):
     return load_script("bench_peer")

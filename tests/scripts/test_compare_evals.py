@@ -8,7 +8,6 @@ import pytest
 from headway.infer.intervals import prompt_key
 
 
-
 @pytest.fixture
 def compare(load_script):
     return load_script("compare_evals")
