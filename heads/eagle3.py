@@ -16,7 +16,9 @@ return logits over the *target* vocabulary (-inf outside the draft vocabulary).
 Training-time test: the drafter is unrolled `ttt_steps` times on its own outputs (step j at position t reads
 the output of step j-1 at t-1 and sees the true context up to its anchor plus its chain ancestors: exactly
 what tree drafting sees), loss = sum_j step_decay^j x soft CE to the target's distribution restricted to the
-draft vocabulary (renormalised; reported as KL), plus top_k_weight x the soft CE over the target's `top_k` most
+draft vocabulary (renormalised; reported as KL) over the drafts a tree could reach (`reach_top_k` > 0, GRIFFIN's
+loss mask: step j is scored only where each earlier draft of its chain held the true token in its top
+`reach_top_k`; 0: every draft), plus top_k_weight x the soft CE over the target's `top_k` most
 probable tokens (HASS; 0: off), plus feature_weight x SmoothL1 between what lm_head reads and the target's
 final-normed hidden state it should match (EAGLE-1's feature regression; 0: off). `target_temperature`
 divides the target's logits in the token losses (< 1 sharpens toward the argmax). `noise` adds EAGLE's uniform
@@ -47,16 +49,17 @@ import torch
 from torch import Tensor, nn
 
 from headway.heads.base import DraftHead, TargetFeatures, check_layer_ids, most_frequent, register_head
-from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, TargetDistribution, copy_target_layer,
-                                  feature_regression, head_loss, learnt_queries, masked_mean, new_decoder_layer,
-                                  new_rms_norm, positive_int, require, resolve_options, rotary, scatter_rows,
-                                  top_k_cross_entropy, unrolled_accuracy)
+from headway.heads.layers import (INIT_LAYER, OneLayerDrafting, TargetDistribution, chain_reachable,
+                                  copy_target_layer, feature_regression, head_loss, in_top_k, learnt_queries,
+                                  masked_mean, new_decoder_layer, new_rms_norm, positive_int, require,
+                                  resolve_options, rotary, scatter_rows, shift_left, top_k_cross_entropy,
+                                  unrolled_accuracy)
 from headway.heads.sampling import argmax  # torch.argmax's first-max index, ~6x faster on bf16 rows
 
 DEFAULTS = dict(aux_layers=None, draft_vocab_size=32000, ttt_steps=3, step_decay=0.8, eval_depths=4,
                 num_layers=1, init_layer="random", norm_before_fc=False, norm_before_residual=False, norm_output=False,
                 train_lm_head=True, top_k_weight=0.0, top_k=10, feature_weight=0.0, noise=0.0,
-                target_temperature=1.0)
+                target_temperature=1.0, reach_top_k=0)
 FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output", "train_lm_head")
 
 
@@ -75,6 +78,9 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
     def __init__(self, target_config, **options):
         opts = resolve_options("eagle3", DEFAULTS, options, {"init_layer": INIT_LAYER})
         positive_int("eagle3", opts, "draft_vocab_size", "ttt_steps", "eval_depths", "top_k", "num_layers")
+        require(isinstance(opts["reach_top_k"], int) and not isinstance(opts["reach_top_k"], bool)
+                and opts["reach_top_k"] >= 0,
+                f"head 'eagle3': reach_top_k must be an integer >= 0 (0: off), got {opts['reach_top_k']!r}")
         for weight in ("top_k_weight", "feature_weight", "noise"):
             require(opts[weight] >= 0, f"head 'eagle3': {weight} must be >= 0, got {opts[weight]}")
         require(opts["target_temperature"] > 0,
@@ -228,7 +234,8 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         # [n, h] what the target's lm_head reads for x_{t+2}; only the feature regression needs it
         f_next = feats.last_hidden[at_next] if o["feature_weight"] else None
         query_pos = queries.nonzero()[:, 1]  # [n]
-        loss, preds, metrics = 0.0, [], {}
+        labels = self.train_labels(shift_left(input_ids, 2)[queries])  # [n] x_{t+2} on the draft vocab (-100 outside)
+        loss, preds, hits, metrics = 0.0, [], [], {}
         for j, out in enumerate(outs):
             out = out[queries]  # [n, h]
             logits = self.draft_logits(out)  # [n, Vd]
@@ -236,6 +243,11 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
             if j >= trained:
                 continue
             scored = query_pos >= j  # [n]: the draft's anchor t - j is a real position
+            if o["reach_top_k"]:  # GRIFFIN: no loss on drafts no top-k tree could reach
+                if hits:
+                    scored = scored & chain_reachable(hits)[queries]
+                    metrics[f"reached_step{j}"] = scored.float().mean()
+                hits.append(scatter_rows(queries, in_top_k(logits.detach(), labels, o["reach_top_k"]), fill=True))
             step_loss = masked_mean(target.kl(logits), scored)
             metrics[f"loss_step{j}"] = step_loss.detach()
             if o["top_k_weight"]:

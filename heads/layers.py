@@ -461,6 +461,25 @@ def top_k_cross_entropy(logits: Tensor, target_logits: Tensor, k: int) -> Tensor
     return -torch.where(p > 0, p * log_q, torch.zeros_like(log_q)).sum(-1)
 
 
+def in_top_k(logits: Tensor, labels: Tensor, k: int) -> Tensor:
+    """[n, V] logits, [n] label indices (any index outside [0, V) never matches) -> [n] bool: the label is
+    among the k highest logits, i.e. a draft tree that expands the top k children would hold it."""
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # [n, k]
+    return (top == labels[:, None]).any(-1)
+
+
+def chain_reachable(hits: list[Tensor]) -> Tensor:
+    """Query-indexed [B, T] hits of steps 0..j-1 -> [B, T] bool for step j: every earlier draft of the same
+    chain (step i at query t - (j - i)) held its true token in its top k, so a tree could reach this draft at
+    all (GRIFFIN's loss mask). A chain position left of the sequence counts as reached. `hits` is not empty."""
+    j = len(hits)
+    reached = torch.ones_like(hits[0])
+    for i, hit in enumerate(hits):
+        shift = j - i
+        reached[:, shift:] &= hit[:, :-shift]
+    return reached
+
+
 def head_loss(loss: Tensor, correct: Tensor, count: Tensor, **metrics: Tensor) -> HeadLoss:
     return HeadLoss(loss, correct.detach(), count.detach(), {k: float(v) for k, v in metrics.items()})
 

@@ -6,6 +6,7 @@ import torch
 from head_helpers import check_cached_chain, features, make_head, train_briefly
 from headway.heads.base import HeadError, load_head, save_head
 from headway.heads.eagle3 import default_aux_layers
+from headway.heads.layers import chain_reachable, in_top_k
 
 VD = 64
 
@@ -104,3 +105,34 @@ def test_a_larger_draft_vocabulary_keeps_the_trained_rows_and_maps_the_new_ones(
     torch.testing.assert_close(state["lm_head.weight"][100:], expected_new, rtol=1e-3, atol=1e-3)
     assert torch.equal(state["d2t"], large.d2t) and torch.equal(state["t2d"], large.t2d)
     large.load_state_dict(state)  # every shape fits the larger head
+
+
+def test_chain_reachable_ands_the_earlier_drafts_of_each_chain():
+    """Step j at query t shares its chain with step i at query t - (j - i): step 2 at t is reached only if
+    step 0 hit at t - 2 and step 1 hit at t - 1; a chain that starts left of the sequence counts as reached."""
+    hit0 = torch.tensor([[True, False, True, True, True]])
+    hit1 = torch.tensor([[True, True, True, False, True]])
+    assert chain_reachable([hit0]).tolist() == [[True, True, False, True, True]]
+    assert chain_reachable([hit0, hit1]).tolist() == [[True, True, True, False, False]]
+    logits = torch.tensor([[0.1, 0.9, 0.5], [0.7, 0.2, 0.1]])
+    assert in_top_k(logits, torch.tensor([2, 2]), 2).tolist() == [True, False]
+    assert in_top_k(logits, torch.tensor([-100, 0]), 1).tolist() == [False, True]  # off-vocabulary never hits
+
+
+def test_reach_mask_scores_only_the_drafts_a_top_k_tree_reaches(target, batch):
+    """reach_top_k larger than the draft vocabulary reaches every draft (the loss of the unmasked head); with
+    reach_top_k=1 an untrained head's later steps are scored on fewer drafts, so their losses change, while
+    step 0, which has no earlier draft, keeps its loss."""
+    def run(**options):
+        head = make_head("eagle3", target, seed=5, **options).train()
+        with torch.no_grad():
+            return head(batch["input_ids"], batch["loss_mask"], features(head, target, batch))
+
+    plain, everything, top1 = run(), run(reach_top_k=10**6), run(reach_top_k=1)
+    torch.testing.assert_close(everything.loss, plain.loss, rtol=0, atol=0)
+    assert everything.metrics["reached_step1"] == 1.0
+    assert top1.metrics["loss_step0"] == plain.metrics["loss_step0"]
+    assert top1.metrics["reached_step1"] < 0.5 and top1.metrics["reached_step2"] <= top1.metrics["reached_step1"]
+    assert top1.metrics["loss_step1"] != plain.metrics["loss_step1"]
+    with pytest.raises(HeadError, match="reach_top_k must be an integer >= 0"):
+        make_head("eagle3", target, reach_top_k=-1)
