@@ -234,7 +234,8 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
         # [n, h] what the target's lm_head reads for x_{t+2}; only the feature regression needs it
         f_next = feats.last_hidden[at_next] if o["feature_weight"] else None
         query_pos = queries.nonzero()[:, 1]  # [n]
-        labels = self.train_labels(shift_left(input_ids, 2)[queries])  # [n] x_{t+2} on the draft vocab (-100 outside)
+        if o["reach_top_k"]:  # [n] x_{t+2} on the draft vocab (-100 outside): what a reachable draft must hold
+            labels = self.train_labels(shift_left(input_ids, 2)[queries])
         loss, preds, hits, metrics = 0.0, [], [], {}
         for j, out in enumerate(outs):
             out = out[queries]  # [n, h]
