@@ -33,6 +33,7 @@ Deterministic children (top-k) always carry distinct sibling tokens and propose 
 from __future__ import annotations
 
 import heapq
+import itertools
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
@@ -75,7 +76,7 @@ class Drafter:
         """The modules it runs while drafting (the engine puts their Linears in a fast CPU layout)."""
         return []
 
-    def plan(self, budget, batch_size: int, target_params: int) -> int:
+    def plan(self, budget, batch_size: int, target_params: int, greedy: bool = True) -> int:
         return self.max_nodes(budget.max_tokens(batch_size))
 
     def describe(self) -> dict:
@@ -244,9 +245,9 @@ class DraftModelProposer:
 class TreePolicy(Protocol):
     """What shape a TreeDrafter's drafts take. Policies subclass it: `plan` defaults to nothing to plan."""
 
-    def plan(self, proposer: Proposer, budget, batch_size: int, target_params: int) -> None:
-        """Choose the tree for a batch of `batch_size` rows on this machine (budget: TreeBudget); a fixed
-        tree has nothing to choose."""
+    def plan(self, proposer: Proposer, budget, batch_size: int, target_params: int, greedy: bool = True) -> None:
+        """Choose the tree for a batch of `batch_size` rows on this machine (budget: TreeBudget) for a greedy
+        or a sampling call; a fixed tree has nothing to choose."""
 
     @abstractmethod
     def size(self, max_depth: int | None) -> int:
@@ -355,6 +356,11 @@ class StaticTree(TreePolicy):
                 (last_pos + depth)[:, None].expand(B, len(level.grow_nodes)))
         return tokens, plan.parents, None
 
+    def layout(self, max_nodes: int, max_depth: int | None) -> tuple[Tensor, Tensor]:
+        """The tree `build` drafts for this budget: (parents [N], ranks [N]) as _StaticPlan holds them."""
+        plan = self._plan(max_nodes, max_depth)
+        return plan.parents, plan.ranks
+
     def _plan(self, max_nodes: int, max_depth: int | None) -> "_StaticPlan":
         """The tree's layout for this budget, worked out once: nodes breadth first (parents before children)."""
         key = (max_nodes, max_depth)
@@ -381,6 +387,7 @@ class _StaticLevel:
 class _StaticPlan:
     size: int  # nodes, the root included
     parents: torch.Tensor  # [size] each node's parent's tree index (-1: the root)
+    ranks: torch.Tensor  # [size] each node's rank among its parent's children (-1: the root)
     levels: list[_StaticLevel]
 
     @classmethod
@@ -400,7 +407,8 @@ class _StaticPlan:
             slot = {p: j for j, p in enumerate(grow)}
             expanded |= {p: count + j for j, p in enumerate(grow)}
             count += len(grow)
-        return cls(len(paths) + 1, torch.tensor([-1] + [index[p[:-1]] for p in paths]), levels)
+        return cls(len(paths) + 1, torch.tensor([-1] + [index[p[:-1]] for p in paths]),
+                   torch.tensor([-1] + [p[-1] for p in paths]), levels)
 
 
 class DynamicTree(TreePolicy):
@@ -449,7 +457,10 @@ class DynamicTree(TreePolicy):
 class AutoTree(TreePolicy):
     """The static tree with the most expected tokens per unit time for this proposer on this machine
     (infer.roofline.best_tree, then StaticTree.from_accuracies), planned per batch size from:
-      acceptance   per-depth top-1 acceptance: given, else the head's last validation, else PRIOR;
+      acceptance   per-depth top-1 acceptance: given, else the head's last validation (else PRIOR) moved toward
+                   what this engine measured (observe_accepted: how often each depth's rank-0 draft was accepted,
+                   counted over the steps drafted with this policy; a head validated on its training data's
+                   distribution is usually accepted less on the user's prompts, which the plan then follows);
       T(N)         the target's measured latency curve (the engine's TreeBudget; flat without one);
       draft cost   c = weights one draft level reads / the target's weights (decoding reads every weight
                    once per step, so a level costs c plain steps), or `draft_cost` if given; once the engine
@@ -459,20 +470,25 @@ class AutoTree(TreePolicy):
     when the best tree's predicted speedup is below `min_gain` (the cost model is approximate)."""
 
     PRIOR = (0.6, 0.5, 0.4, 0.35, 0.3)  # a trained head's typical rates, used when nothing was measured
+    PRIOR_STEPS = 32  # a depth's expected rate counts as this many steps: the engine's counts outweigh it soon
 
     def __init__(self, acceptance=None, top_k: int = 4, max_depth: int = 6, draft_cost: float | None = None,
-                 min_gain: float = 1.05):
+                 min_gain: float = 1.05, learn: bool = True):
         if top_k < 1 or max_depth < 1:
             raise ValueError("auto tree needs top_k and max_depth >= 1")
         self.acceptance = [float(a) for a in acceptance] if acceptance else None
         self.top_k, self.max_depth, self.draft_cost = top_k, max_depth, draft_cost
         self.min_gain = min_gain  # draft only for a predicted speedup this large: the model is approximate
+        self.learn = learn  # plan from the acceptance this engine measures (given acceptance is kept as given)
         self.tree, self.planned = StaticTree([(0,)]), None
         self.measured_cost: float | None = None  # a draft level in plain steps, as the engine timed it
+        self.offered: list[int] = []  # per depth d: row-steps whose accepted path could take a rank-0 draft at d
+        self.taken: list[int] = []  # ... and those that took it
+        self.drafted: tuple[Tensor, Tensor] | None = None  # (parents [N], ranks [N]) of the tree last built
 
-    def plan(self, proposer: Proposer, budget, batch_size: int, target_params: int) -> None:
+    def plan(self, proposer: Proposer, budget, batch_size: int, target_params: int, greedy: bool = True) -> None:
         depth = min(self.max_depth, proposer.max_depth or self.max_depth)
-        rates = (self.acceptance or proposer.acceptance or list(self.PRIOR))[:depth]
+        rates = self.expected_acceptance(proposer, measured=greedy)[:depth]
         if self.draft_cost is not None:
             cost, self.planned_cost_source = self.draft_cost, "given"
         elif self.measured_cost is not None:
@@ -488,20 +504,63 @@ class AutoTree(TreePolicy):
                 return torch.ones(len(nodes), dtype=torch.float64)
             return torch.tensor([budget.latency(batch_size * int(n)) / plain for n in nodes], dtype=torch.float64)
 
-        self.planned = best_tree(rates, latency, cost, max_nodes=max(cap - 1, 0), top_k=self.top_k)
-        if self.planned.speedup < self.min_gain:  # a marginal plan: take the curve's first row, no tree
-            self.planned = TreePlan(*self.planned.curve[0], self.planned.curve)
+        def best(rates: list[float]) -> TreePlan:
+            plan = best_tree(rates, latency, cost, max_nodes=max(cap - 1, 0), top_k=self.top_k)
+            if plan.speedup < self.min_gain:  # a marginal plan: take the curve's first row, no tree
+                plan = TreePlan(*plan.curve[0], plan.curve)
+            return plan
+
+        self.planned = best(rates)
+        if not self.planned.size and "measured" in self.acceptance_source and best(self.prior_rates[:depth]).size:
+            # measured acceptance alone never stops drafting: one tree more keeps measuring, so a hard first
+            # prompt cannot switch drafting off for good (the measured cost still can)
+            self.planned = TreePlan(*max(self.planned.curve[1:], key=lambda row: row[3]), self.planned.curve)
         if self.planned.size:
             self.tree = StaticTree.from_accuracies(rates, total_nodes=self.planned.size + 1, top_k=self.top_k)
+
+    def expected_acceptance(self, proposer: Proposer, measured: bool = True) -> list[float]:
+        """Per-depth top-1 rates to plan with (and where they came from, in acceptance_source): each depth's
+        prior (the head's validation, else PRIOR) counted as PRIOR_STEPS steps beside the engine's counts
+        (with `measured`: the engine counts greedy calls, the ones a head's validation acceptance describes)."""
+        if self.acceptance:
+            self.acceptance_source = "given"
+            return self.acceptance
+        prior = self.prior_rates = proposer.acceptance or list(self.PRIOR)
+        self.acceptance_source = "validation" if proposer.acceptance else "prior"
+        if not (measured and self.learn and any(self.offered)):
+            return prior
+        self.acceptance_source += f" + {self.offered[0]} measured steps"
+        return [(taken + self.PRIOR_STEPS * rate) / (offered + self.PRIOR_STEPS)
+                for rate, offered, taken in itertools.zip_longest(prior, self.offered[:len(prior)],
+                                                                  self.taken[:len(prior)], fillvalue=0)]
 
     def observe_draft_cost(self, cost: float) -> None:
         """What one draft level cost in plain steps, measured by the engine; later plans use it."""
         self.measured_cost = float(cost)
 
+    def observe_accepted(self, path: Tensor, num: Tensor) -> None:
+        """One verification of the tree last built, for the rows still generating: path [B, D+1] the accepted
+        nodes from the root (-1 padded), num [B] tokens emitted (accepted drafts + 1). Counts per depth d the
+        row-steps that reached depth d - 1 at a node with a rank-0 child, and those that accepted that child."""
+        if not self.learn or self.acceptance or self.drafted is None or not len(num):
+            return
+        parents, ranks = self.drafted
+        first_child = torch.zeros(len(ranks), dtype=torch.bool)  # [N] the node has a rank-0 child
+        first_child[parents[ranks == 0]] = True
+        node = path.clamp(min=0)
+        reached = num[:, None] - 1 >= torch.arange(path.shape[1])  # [B, D+1] the path reached depth d
+        offered = (reached[:, :-1] & first_child[node[:, :-1]]).sum(0)  # [D]
+        taken = (reached[:, 1:] & (ranks[node[:, 1:]] == 0)).sum(0)  # [D]
+        for counts, new in ((self.offered, offered), (self.taken, taken)):
+            counts.extend([0] * (len(new) - len(counts)))
+            for d, n in enumerate(new.tolist()):
+                counts[d] += n
+
     def size(self, max_depth: int | None) -> int:
         return 1 + self.planned.size if self.planned else self.tree.size(max_depth)
 
     def build(self, proposer, root, logits, hidden, max_nodes, last_pos, sampling):
+        self.drafted = self.tree.layout(max_nodes, proposer.max_depth)
         return self.tree.build(proposer, root, logits, hidden, max_nodes, last_pos, sampling)
 
 
@@ -540,8 +599,8 @@ class TreeDrafter(Drafter):
         network = getattr(self.proposer, "head", getattr(self.proposer, "model", None))
         return [network] if isinstance(network, nn.Module) else []
 
-    def plan(self, budget, batch_size: int, target_params: int) -> int:
-        self.policy.plan(self.proposer, budget, batch_size, target_params)
+    def plan(self, budget, batch_size: int, target_params: int, greedy: bool = True) -> int:
+        self.policy.plan(self.proposer, budget, batch_size, target_params, greedy)
         return self.max_nodes(budget.max_tokens(batch_size))
 
     def max_nodes(self, budget: int) -> int:
@@ -556,7 +615,8 @@ class TreeDrafter(Drafter):
         if plan is not None:  # the last plan: what the cost model expected
             info.update(nodes=plan.size + 1, depth=plan.depth, expected_tau=round(plan.expected_tokens, 3),
                         predicted_speedup=round(plan.speedup, 3), draft_cost=round(getattr(self.policy, "planned_cost", 0.0), 4),
-                        draft_cost_from=getattr(self.policy, "planned_cost_source", None))
+                        draft_cost_from=getattr(self.policy, "planned_cost_source", None),
+                        acceptance_from=getattr(self.policy, "acceptance_source", None))
         return info
 
     def observe_draft_cost(self, cost: float) -> None:
@@ -564,6 +624,13 @@ class TreeDrafter(Drafter):
         observe = getattr(self.policy, "observe_draft_cost", None)
         if observe is not None:
             observe(cost)
+
+    def observe_accepted(self, path: Tensor, num: Tensor) -> None:
+        """The engine's verification of the last draft (accepted path [B, D+1], tokens emitted [B]), for a
+        policy that plans with the acceptance it sees."""
+        observe = getattr(self.policy, "observe_accepted", None)
+        if observe is not None:
+            observe(path, num)
 
     def reset(self, prompt, lengths, max_len, sampling=None):
         self.sampling = sampling or Sampling()

@@ -38,7 +38,7 @@ Stats: tau = tokens emitted per target verification forward (bonus included, mic
 row-steps), acceptance_by_depth = P(depth d accepted | depth d-1 accepted), target forwards, tokens/s,
 and where the steps' time went (stats.step_ms(): a plain step; a speculative one as drafting, the tree's
 forward and accepting).
-The tree size comes from `drafter.plan(budget, B, target_params)`: `TreeBudget` (batch-size throttle + the
+The tree size comes from `drafter.plan(budget, B, target_params, greedy)`: `TreeBudget` (batch-size throttle + the
 measured latency curve T(N), see infer/calibrate.py) caps it, and a head's default policy (AutoTree) picks
 the tree with the most expected tokens per unit time; a plan of one node (no drafts) decodes plainly.
 """
@@ -196,9 +196,9 @@ class Engine:
         of a generate() call once its own speculative steps show that drafting costs more than it gains
         (infer.payoff); "always" = greedy calls too; "never". Needs the measured T(N) curve, so never with
         budget="static" (how fixed trees are measured). Unless "never", a call also tells the drafter what a
-        draft level cost it (in plain steps), and an `auto` tree plans the next calls with that cost
-        instead of the estimate from the head's weights; "never" keeps the plan (the evaluator, which measures
-        the head, uses it)."""
+        draft level cost it (in plain steps) and which of its drafts were accepted, and an `auto` tree plans
+        the next calls with that cost and that acceptance instead of the estimates from the head's weights and
+        validation; "never" keeps the plan (the evaluator, which measures the head, uses it)."""
         self.model = target.model if hasattr(target, "model") else target
         self.tokenizer = getattr(target, "tokenizer", None)
         self.drafter = drafter
@@ -303,7 +303,7 @@ class _Run:
         self.prompt = torch.zeros(self.B, int(self.lens.max()), dtype=torch.long)
         for b, p in enumerate(prompts):  # once per call, not in the decoding loop
             self.prompt[b, :len(p)] = torch.tensor(p, dtype=torch.long)
-        self.nodes = drafter.plan(self.e.budget, self.B, engine.num_params) if drafter else 1
+        self.nodes = drafter.plan(self.e.budget, self.B, engine.num_params, self.greedy) if drafter else 1
         if self.nodes <= 1:  # drafting cannot pay here (batch throttle or cost model): decode plainly
             drafter = self.drafter = None
         # a row holds its prompt, its max_new_tokens and one tree in flight; in a speculative batch a row
@@ -415,6 +415,7 @@ class _Run:
             q = None if draft.draft_probs is None else draft.draft_probs.to(dev)
             verified = verify_tree(tokens.to(dev), parents.to(dev), probs, q, generator=self.generator)
         new, num, path = (x.cpu() for x in verified)
+        self.report_acceptance(path, num)
         # finished rows ride along (the batch keeps its shape) keeping one token per step, so their cache
         # stays within the size planned for them
         num = torch.where(self.done, 1, num)
@@ -448,6 +449,15 @@ class _Run:
         observe = getattr(self.planner, "observe_draft_cost", None)
         if len(costs) >= MIN_COST_STEPS and observe is not None and self.e.stop_unpaid_drafting != "never":
             observe(costs[len(costs) // 2])
+
+    def report_acceptance(self, path: Tensor, num: Tensor) -> None:
+        """Tell the drafter which of its drafts the target accepted (rows still generating), so its next plan for
+        greedy calls weighs the tree by the acceptance seen here, not only by its (greedy) validation. Sampling
+        calls accept less, and differently per temperature: they are not counted (the drafting guard judges them)."""
+        observe = getattr(self.planner, "observe_accepted", None)
+        if observe is not None and self.greedy and self.e.stop_unpaid_drafting != "never":
+            active = ~self.done
+            observe(path[active], num[active])
 
     # -------------------------------------------------------------------------------------- helpers
     def pick(self, logits: Tensor) -> Tensor:  # [B, V] -> [B]

@@ -16,10 +16,14 @@ whether every output equals the engine's plain decoding.
     python scripts/bench_decode.py --device cuda --dtype bf16
     python scripts/bench_decode.py --quick                  # tiny random target (smoke test)
     python scripts/bench_decode.py --heads runs/eagle/final --tree policy=dynamic total_tokens=8 depth=3 top_k=3
+    python scripts/bench_decode.py --heads runs/eagle3/final --validation-plan --temperatures 0
 
 Heads draft with the engine's default (the `auto` policy: a tree planned from the head's measured
 acceptance, this machine's T(N), re-measured at the start of the run, and the draft cost; no tree at all
-when drafting cannot pay) unless --tree gives build_drafter options.
+when drafting cannot pay) unless --tree gives build_drafter options. The auto tree of each head engine
+re-plans from what the run's earlier calls measured (the draft cost and the acceptance of its drafts, the warm-up
+included); --validation-plan adds each head again with a tree that keeps planning from the head's validation
+acceptance (`learn=False`) and makes the last line the first head's tokens/s with the learned plan over that.
 """
 
 from __future__ import annotations
@@ -58,8 +62,12 @@ def parse_args(argv=None):
     p.add_argument("--weight-layout", default="auto", choices=LAYOUTS, help="the engines' weight layout")
     p.add_argument("--stop-unpaid-drafting", default="sampling", choices=["sampling", "always", "never"],
                    help="the engines' guard (infer/payoff.py): when to stop drafting that does not pay")
+    p.add_argument("--validation-plan", action="store_true",
+                   help="also run each head with an auto tree planned from its validation acceptance only")
     p.add_argument("--quick", action="store_true", help="tiny random target, 2 prompts, 8 tokens (smoke test)")
     args = p.parse_args(argv)
+    if args.validation_plan and tree_options(args.tree).get("policy", "auto") != "auto":
+        bc.bad_input("--validation-plan compares plans of the auto tree: drop policy= from --tree")
     if args.quick:
         args.target, args.per_set, args.max_new_tokens = "tiny-random", 1, 8
     if args.all_prompts:
@@ -111,6 +119,10 @@ def build_methods(args, target) -> dict:
         name = f"headway_{head.kind}"
         name = name if name not in methods else f"{name}({Path(path).parent.name})"
         methods[name] = engine(build_drafter("head", target, head=head, **tree_options(args.tree)))
+        if args.validation_plan:  # the same head, its tree never told what this run accepts
+            again = load_head(path, target, device=args.device)
+            methods[f"{name}:validation_plan"] = engine(
+                build_drafter("head", target, head=again, **tree_options(args.tree), learn=False))
     return methods
 
 
@@ -150,6 +162,10 @@ def measure(args, methods, prompts, temperature) -> list[dict]:
                 summed[name].add(stats)
         for name, out in outs.items():
             same[name] += int(out == outs["headway_plain"])
+    for name, run in methods.items():
+        plan = getattr(run, "describe", None)
+        if plan is not None and "nodes" in plan():  # an auto tree: the plan its last call drafted with
+            print(f"{name} (last call): {plan()}")
     hf_tps = tokens["hf_generate"] / seconds["hf_generate"]
     rows = []
     for name in methods:
@@ -194,6 +210,12 @@ def main(argv=None) -> None:
         print(f"temperature {temperature:g}: headway plain {at['headway_plain']:.2f}x HF generate(); {best}")
     first = args.temperatures[0]
     at = {r["method"]: r["vs hf_generate"] for r in rows if r["temperature"] == first}
+    fixed = [m for m in at if m.endswith(":validation_plan")]
+    if fixed:
+        learned = fixed[0].removesuffix(":validation_plan")
+        bc.headline(at[learned] / at[fixed[0]], f"{learned}, plan learned in this run vs from its validation "
+                                                f"acceptance, tokens/s at temperature {first:g}")
+        return
     heads = {m: v for m, v in at.items() if m not in FIXED} or \
         {m: v for m, v in at.items() if m.startswith("headway")}
     best = max(heads, key=heads.get)

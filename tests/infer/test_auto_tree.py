@@ -107,3 +107,75 @@ def test_the_engine_reports_what_a_draft_level_cost_and_the_next_call_plans_with
     out = engine.generate(PROMPTS, max_new_tokens=40, stop_on_eos=False)
     assert out.tokens == plain and drafter.describe()["draft_cost_from"] == "measured"
     assert drafter.policy.planned_cost == measured  # the second call planned with the first call's measurement
+
+
+def test_accepted_paths_count_how_often_each_depths_rank_0_draft_was_offered_and_taken():
+    policy = AutoTree()
+    policy.drafted = (torch.tensor([-1, 0, 0, 1]), torch.tensor([-1, 0, 1, 0]))  # root; (0,), (1,), (0, 0)
+    path = torch.tensor([[0, 1, 3],     # both rank-0 drafts accepted
+                         [0, 2, -1],    # the rank-1 sibling accepted: depth 1 offered, not taken; (1,) has no child
+                         [0, -1, -1]])  # nothing accepted
+    policy.observe_accepted(path, torch.tensor([3, 2, 1]))
+    assert policy.offered == [3, 1] and policy.taken == [1, 1]
+
+
+def test_measured_acceptance_moves_the_plan_from_the_heads_validation():
+    head = Proposer([0.9, 0.9, 0.9], level_params=1)
+    budget = TreeBudget(max_nodes=16, curve={1: 1.0, 2: 1.1, 4: 1.3, 16: 2.0})  # each verified token costs
+    policy = AutoTree(top_k=1)
+    assert planned(policy, head, budget).depth == 3 and policy.acceptance_source == "validation"
+    policy.drafted = (torch.tensor([-1, 0, 1, 2]), torch.tensor([-1, 0, 0, 0]))  # the chain it planned
+    for _ in range(10):  # 320 row-steps: the head's first draft is accepted one time in ten, never a second
+        policy.observe_accepted(torch.tensor([[0, 1, -1, -1]] * 4 + [[0, -1, -1, -1]] * 28), torch.tensor([2] * 4 + [1] * 28))
+    rates = policy.expected_acceptance(head)
+    assert abs(rates[0] - (40 + 32 * 0.9) / (320 + 32)) < 1e-9  # 40 taken of 320, beside the prior's 32 steps
+    assert abs(rates[1] - 32 * 0.9 / (40 + 32)) < 1e-9 and rates[2] == 0.9  # depth 3 never offered: its prior
+    assert planned(policy, head, budget).depth < 3 and policy.acceptance_source == "validation + 320 measured steps"
+    given = AutoTree(acceptance=[0.9, 0.9, 0.9], top_k=1)
+    given.drafted = policy.drafted
+    given.observe_accepted(torch.tensor([[0, -1, -1, -1]] * 32), torch.tensor([1] * 32))
+    assert planned(given, head, budget).depth == 3 and given.offered == []  # given acceptance is kept as given
+
+
+def test_the_engine_reports_accepted_drafts_and_the_next_call_plans_with_them():
+    target, _, plain = head_drafter_and_plain_output("eagle", 40)
+    torch.manual_seed(0)
+    drafter = build_drafter("head", target, head=build_head("eagle", target), top_k=2)  # no acceptance given
+    budget = TreeBudget(max_nodes=16, curve={1: 1.0, 2: 1.0, 64: 1.0})
+    assert Engine(target, drafter, budget=budget, stop_unpaid_drafting="never").generate(
+        PROMPTS, max_new_tokens=40, stop_on_eos=False).tokens == plain
+    assert drafter.policy.offered == []  # "never": the plan stays
+    engine = Engine(target, drafter, budget=budget)
+    out = engine.generate(PROMPTS, max_new_tokens=40, stop_on_eos=False)
+    assert out.tokens == plain
+    offered, taken = drafter.policy.offered, drafter.policy.taken
+    assert offered[0] == out.stats.row_steps  # every step offered the rank-0 draft at depth 1
+    assert sum(taken) <= out.stats.emitted - out.stats.row_steps  # taken drafts are accepted drafts
+    engine.generate(PROMPTS, max_new_tokens=40, stop_on_eos=False)
+    assert drafter.describe()["acceptance_from"].startswith("prior + ")
+
+
+def test_measured_acceptance_alone_never_stops_drafting_but_the_cost_still_can():
+    head = Proposer([0.9, 0.9, 0.9], level_params=1)
+    budget = TreeBudget(max_nodes=16, curve={1: 1.0, 2: 1.1, 4: 1.3, 16: 2.0})
+    for cost, size in ((None, 1), (1.0, 0)):  # the weights' cost (drafting pays at validation's rates), or a whole step
+        policy = AutoTree(top_k=1, draft_cost=cost)
+        policy.drafted = (torch.tensor([-1, 0]), torch.tensor([-1, 0]))
+        policy.observe_accepted(torch.tensor([[0, -1]] * 320), torch.tensor([1] * 320))  # never accepted
+        assert policy.expected_acceptance(head)[0] < 0.1
+        assert planned(policy, head, budget).size == size  # one draft keeps measuring; a step-sized level: none
+
+
+def test_sampling_calls_are_not_counted_and_plan_from_validation():
+    target, _, _ = head_drafter_and_plain_output("eagle", 8)
+    torch.manual_seed(0)
+    drafter = build_drafter("head", target, head=build_head("eagle", target), top_k=2, draft_cost=0.001)
+    engine = Engine(target, drafter, budget=TreeBudget(max_nodes=16, curve={1: 1.0, 2: 1.0, 64: 1.0}))
+    engine.generate(PROMPTS, max_new_tokens=12, temperature=1.0, seed=0, stop_on_eos=False)
+    assert drafter.policy.offered == []
+    engine.generate(PROMPTS, max_new_tokens=12, stop_on_eos=False)
+    assert drafter.policy.offered and drafter.describe()["acceptance_from"] == "prior"  # planned before counting
+    engine.generate(PROMPTS, max_new_tokens=12, temperature=1.0, seed=0, stop_on_eos=False)
+    assert drafter.describe()["acceptance_from"] == "prior"  # a sampling call plans from the prior still
+    engine.generate(PROMPTS, max_new_tokens=12, stop_on_eos=False)
+    assert drafter.describe()["acceptance_from"].startswith("prior + ")

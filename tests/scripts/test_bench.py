@@ -38,6 +38,27 @@ def test_bench_decode(script, capsys, tmp_path):
     assert greedy and all(line.split()[-2] == "2/2" for line in greedy)  # the column before "drafting stopped"
 
 
+def test_bench_decode_compares_a_learned_plan_with_the_validation_one(script, capsys, tmp_path):
+    from headway.heads.base import build_head, save_head
+    from headway.heads.target import load_target
+
+    save_head(build_head("eagle", load_target({"path": "tiny-random", "name": "tiny-random"})), tmp_path / "final")
+    lines = run(script("bench_decode"), ["--quick", "--temperatures", "0", "--heads", str(tmp_path / "final"),
+                                         "--validation-plan", "--tree", "draft_cost=0.001"], capsys)  # drafting pays
+    plans = [line for line in lines if line.startswith("headway_eagle") and "(last call)" in line]
+    assert len(plans) == 2  # the learned plan counted the warm-up's and the prompts' drafts; the other did not
+    assert "'acceptance_from': 'prior + " in plans[0] and "'acceptance_from': 'prior'}" in plans[1]
+    greedy = [line for line in lines if line.strip().startswith("0 ") and "headway_eagle" in line]
+    assert len(greedy) == 2 and all(line.split()[-2] == "2/2" for line in greedy)  # both lossless
+    assert lines[-1].startswith("headway_eagle, plan learned in this run vs from its validation acceptance")
+
+
+def test_bench_decode_refuses_a_validation_plan_for_another_policy(script, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        script("bench_decode").main(["--quick", "--validation-plan", "--tree", "policy=dynamic"])
+    assert exit_.value.code == 2 and capsys.readouterr().err.startswith("error: --validation-plan")
+
+
 def test_bench_decode_passes_the_drafting_guard(script, capsys, monkeypatch):
     module = script("bench_decode")
     guards = []
