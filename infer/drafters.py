@@ -458,9 +458,9 @@ class AutoTree(TreePolicy):
     """The static tree with the most expected tokens per unit time for this proposer on this machine
     (infer.roofline.best_tree, then StaticTree.from_accuracies), planned per batch size from:
       acceptance   per-depth top-1 acceptance: given, else the head's last validation (else PRIOR) moved toward
-                   what this engine measured (observe_accepted: how often each depth's rank-0 draft was accepted,
-                   counted over the steps drafted with this policy; a head validated on its training data's
-                   distribution is usually accepted less on the user's prompts, which the plan then follows);
+                   what this engine measured, for greedy calls (observe_accepted: how often each depth's rank-0
+                   draft was accepted in the greedy calls drafted with this policy; a head validated on its training
+                   data's distribution is usually accepted less on the user's prompts, which the plan then follows);
       T(N)         the target's measured latency curve (the engine's TreeBudget; flat without one);
       draft cost   c = weights one draft level reads / the target's weights (decoding reads every weight
                    once per step, so a level costs c plain steps), or `draft_cost` if given; once the engine
@@ -476,6 +476,8 @@ class AutoTree(TreePolicy):
                  min_gain: float = 1.05, learn: bool = True):
         if top_k < 1 or max_depth < 1:
             raise ValueError("auto tree needs top_k and max_depth >= 1")
+        if learn not in (True, False):
+            raise ValueError(f"auto tree's learn must be true or false, got {learn!r}")
         self.acceptance = [float(a) for a in acceptance] if acceptance else None
         self.top_k, self.max_depth, self.draft_cost = top_k, max_depth, draft_cost
         self.min_gain = min_gain  # draft only for a predicted speedup this large: the model is approximate
@@ -751,3 +753,5 @@ def _policy(name: str, options: dict):
         return POLICIES[name](**options)
     except TypeError as exc:
         raise HeadError(f"bad options {sorted(options)} for the {name} policy: {exc}") from exc
+    except ValueError as exc:  # a value the policy refuses (its message names it): one error line, not a traceback
+        raise HeadError(f"the {name} policy: {exc}") from exc

@@ -1,9 +1,10 @@
 """The default tree policy plans the tree from measured acceptance, the target's T(N) and the draft cost:
 cheap drafting and good heads get big trees, expensive drafting or slow wide steps get small ones or none."""
 
+import pytest
 import torch
 
-from headway.heads.base import build_head, load_head, save_head
+from headway.heads.base import HeadError, build_head, load_head, save_head
 from headway.heads.target import load_target
 from headway.infer.calibrate import TreeBudget
 from headway.infer.drafters import AutoTree, build_drafter
@@ -179,3 +180,12 @@ def test_sampling_calls_are_not_counted_and_plan_from_validation():
     assert drafter.describe()["acceptance_from"] == "prior"  # a sampling call plans from the prior still
     engine.generate(PROMPTS, max_new_tokens=12, stop_on_eos=False)
     assert drafter.describe()["acceptance_from"].startswith("prior + ")
+
+
+@pytest.mark.parametrize("options, words", [({"learn": "maybe"}, "learn must be true or false"),
+                                            ({"top_k": 0}, "top_k and max_depth")])
+def test_a_bad_auto_tree_option_is_one_head_error_naming_it(options, words):
+    target = load_target({"path": "tiny-random", "name": "tiny-random"})
+    with pytest.raises(HeadError, match=words) as error:
+        build_drafter("head", target, head=build_head("eagle", target), **options)
+    assert "\n" not in str(error.value)  # the evaluator prints it as one `error:` line
