@@ -18,6 +18,12 @@ It prints a table and writes OUTPUT/eval.json:
      "speedup_vs_vanilla", "speedup_vs_hf_generate",
      "greedy_match"}                 temperature 0: fraction of prompts identical to plain decoding
                                      (null at temperature > 0, where outputs differ by design)
+     "greedy_mismatches": [{"index", "prompt", "at", "speculative", "plain", "margin", "tie"}],
+                                     temperature 0: each prompt whose outputs differ (its place in the
+                                     run), the first token that differs (0-based), the two tokens, and how
+                                     far apart the target's logits
+                                     put them there; "tie": within fp32 rounding (TIE_TOLERANCE), where a
+                                     tree's forward and a decode step may round to either token
      "draft", "weight_layout",       the tree the drafter planned; the engine's weight layout
                                      (heads.kernels.weight_layout; HF generate() always runs the stock one)
      "step_ms": {"plain", "speculative", "drafting", "tree_forward", "accepting"},
@@ -265,6 +271,8 @@ def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]],
         if "vanilla" in cfg.baselines or is_greedy(cfg.temperature):
             p = plain.generate([ids], **sampling, seed=cfg.seed + i)
             matches += int(p.tokens[0] == s.tokens[0])
+            if is_greedy(cfg.temperature) and p.tokens[0] != s.tokens[0]:
+                total.per_prompt[-1]["greedy_divergence"] = greedy_divergence(target, ids, s.tokens[0], p.tokens[0])
             if is_greedy(cfg.temperature):
                 total.replies.append(p.tokens[0])
             total.add_plain_steps(p.stats)
@@ -275,6 +283,26 @@ def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]],
         out(f"  [{i + 1}/{len(rows)}] {row['category']}: {len(s.tokens[0])} tokens, "
             f"tau {s.stats.tau:.2f}, {s.stats.tokens_per_second:.1f} tok/s")
     return total, by_cat, matches
+
+
+TIE_TOLERANCE = 1e-4  # logits closer than this (relative to their size) are a tie at fp32 rounding: verifying a
+# tree and a decode step sum in different orders, so a tie can go either way between them (a verification error
+# picks a token the target clearly ranks lower)
+
+
+def greedy_divergence(target, prompt: list[int], speculative: list[int], plain: list[int]) -> dict:
+    """Where two greedy outputs of one prompt first differ, and the target's logits for the two tokens there (its
+    forward over the prompt and the plain output before that token): a tie, or a real difference."""
+    at = next((k for k, (a, b) in enumerate(zip(speculative, plain)) if a != b), min(len(speculative), len(plain)))
+    if at == min(len(speculative), len(plain)):  # one output is the other's prefix: no tie explains that
+        return {"at": at, "speculative": None, "plain": None, "margin": None, "tie": None}
+    device = next(target.model.parameters()).device
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt + plain[:at]], device=device), logits_to_keep=1).logits[0, -1]
+    pair = logits[[speculative[at], plain[at]]].double()  # [2]
+    margin = float((pair[0] - pair[1]).abs())
+    return {"at": at, "speculative": speculative[at], "plain": plain[at], "margin": margin,
+            "tie": margin <= TIE_TOLERANCE * max(1.0, float(pair.abs().max()))}
 
 
 COVERAGE_SIZES = (4096, 8192, 16384, 32768)  # draft vocabulary sizes a greedy evaluation reports coverage for
@@ -314,6 +342,9 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "speedup_vs_vanilla": ratio("vanilla"),
         "speedup_vs_hf_generate": ratio("hf_generate"),
         "greedy_match": matches / total.prompts if is_greedy(cfg.temperature) else None,
+        "greedy_mismatches": [dict(index=i, prompt=row["prompt"], **row["greedy_divergence"])
+                              for i, row in enumerate(total.per_prompt) if "greedy_divergence" in row]
+                             if is_greedy(cfg.temperature) else None,
         "draft": draft or {},  # the drafter and, for planned trees, the size and the speedup it predicted
         "weight_layout": current_layout(target.model),  # the engines' (HF generate() runs the stock one)
         "step_ms": total.step_ms(),
@@ -342,6 +373,8 @@ def print_report(res: dict, out=print) -> None:
         out(f"{method:<16} {_num(tps, '9.1f')} {_num(speedup, '14.2f')}x")
     if res["greedy_match"] is not None:
         out(f"greedy match with plain decoding: {res['greedy_match']:.3f}")
+        for miss in res.get("greedy_mismatches") or []:
+            out(f"  prompt {miss['index'] + 1} differs from its token {miss['at'] + 1} on: " + mismatch_words(miss))
     if res.get("draft"):
         out("draft: " + ", ".join(f"{k} {v}" for k, v in res["draft"].items()))
     if res.get("step_ms", {}).get("speculative") is not None:
@@ -350,6 +383,16 @@ def print_report(res: dict, out=print) -> None:
         cov = res["draft_vocab_coverage"]
         out(f"reply tokens the drafts can propose: {cov['draft_vocab']:.1%} (inside the N most frequent training "
             "tokens: " + ", ".join(f"{n:,} {share:.1%}" for n, share in cov["by_size"].items()) + ")")
+
+
+def mismatch_words(miss: dict) -> str:
+    if miss["tie"] is None:
+        return "one output stops there while the other goes on: a verification error, please report it"
+    if miss["tie"]:
+        return (f"tokens {miss['speculative']} and {miss['plain']} tie in the target's logits (margin "
+                f"{miss['margin']:.1e}): fp32 rounding picks either, the output is still the target's")
+    return (f"tokens {miss['speculative']} and {miss['plain']} differ by {miss['margin']:.3g} in the target's logits, "
+            f"more than rounding: a verification error, please report it")
 
 
 def step_line(ms: dict) -> str:

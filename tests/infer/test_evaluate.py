@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = {"path": "tiny-random", "name": "tiny-random"}
 SCHEMA = {"target", "head", "temperature", "num_prompts", "tau", "acceptance_by_depth", "by_category",
           "tokens_per_second", "speedup_vs_vanilla", "speedup_vs_hf_generate", "greedy_match", "draft",
-          "weight_layout", "step_ms", "draft_vocab_coverage", "max_new_tokens", "tau_ci95", "per_prompt"}
+          "weight_layout", "step_ms", "draft_vocab_coverage", "max_new_tokens", "tau_ci95", "per_prompt",
+          "greedy_mismatches"}
 PROMPTS = [{"prompt": "Name three colours.", "category": "writing"},
            {"prompt": "abc abc abc abc abc", "category": "coding"},
            {"prompt": "What is 2 + 2?"}]  # no category: counted as "general"
@@ -71,6 +72,7 @@ def test_eval_json_schema_and_greedy_output_equals_plain(head_dir, prompts_file,
     assert written["target"] == "tiny-random" and written["head"] == "medusa"
     assert written["num_prompts"] == 3 and written["temperature"] == 0.0
     assert written["greedy_match"] == 1.0  # lossless: greedy speculative output == plain decoding
+    assert written["greedy_mismatches"] == []
     cat_taus = [c["tau"] for c in written["by_category"].values()]
     assert min(cat_taus) <= written["tau"] <= max(cat_taus)  # all steps pooled: between the categories
     assert all(0.0 <= a <= 1.0 for a in written["acceptance_by_depth"])
@@ -140,10 +142,29 @@ def test_a_draft_model_equal_to_the_target_reports_tau_gamma_plus_one(target_dir
 def test_sampling_reports_no_greedy_match(target_dir, prompts_file, tmp_path):
     res = ev.evaluate(self_drafting(target_dir, prompts_file, tmp_path, "temperature=1", "top_p=0.9",
                                     "+draft.sample=true"), out=quiet)
-    assert res["greedy_match"] is None
+    assert res["greedy_match"] is None and res["greedy_mismatches"] is None
     # drafts sampled from the target's own (warped) distribution are accepted up to float rounding; one
     # rejection among the 9 steps (3 prompts x 12 tokens / 4 per step) would cost at most 3/9 of tau
     assert res["tau"] == pytest.approx(4.0, abs=0.34)
+
+
+def test_a_greedy_mismatch_is_told_apart_as_a_tie_or_a_real_difference():
+    target = load_target(TINY)
+    prompt = [5, 6, 7]
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt])).logits[0, -1]  # [V]
+        best, worst = int(logits.argmax()), int(logits.argmin())
+        readout = target.model.get_output_embeddings().weight
+        twin = (best + 1) % readout.shape[0]
+        readout[twin] = readout[best]  # two tokens the target can never tell apart: their logits tie exactly
+    tie = ev.greedy_divergence(target, prompt, [twin, 3], [best, 4])
+    assert tie == {"at": 0, "speculative": twin, "plain": best, "margin": 0.0, "tie": True}
+    assert "tie in the target's logits" in ev.mismatch_words(dict(tie, index=0))
+    real = ev.greedy_divergence(target, prompt, [worst], [best])
+    assert real["tie"] is False and real["margin"] > 0.01
+    assert "a verification error" in ev.mismatch_words(dict(real, index=0))
+    prefix = ev.greedy_divergence(target, prompt, [best], [best, 9])  # no tie makes one output stop early
+    assert prefix["at"] == 1 and prefix["tie"] is None and "verification error" in ev.mismatch_words(prefix)
 
 
 # ----------------------------------------------------------------------------------------- bad input
