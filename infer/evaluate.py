@@ -21,9 +21,9 @@ It prints a table and writes OUTPUT/eval.json:
      "greedy_mismatches": [{"index", "prompt", "at", "speculative", "plain", "margin", "tie"}],
                                      temperature 0: each prompt whose outputs differ (its place in the
                                      run), the first token that differs (0-based), the two tokens, and how
-                                     far apart the target's logits
-                                     put them there; "tie": within fp32 rounding (TIE_TOLERANCE), where a
-                                     tree's forward and a decode step may round to either token
+                                     far apart the target's logits put them there; "tie": within fp32
+                                     rounding (TIE_TOLERANCE), where a tree's forward and a decode step
+                                     may round to either token
      "draft", "weight_layout",       the tree the drafter planned; the engine's weight layout
                                      (heads.kernels.weight_layout; HF generate() always runs the stock one)
      "step_ms": {"plain", "speculative", "drafting", "tree_forward", "accepting"},
@@ -222,6 +222,7 @@ class Tally:
     prompts: int = 0
     replies: list[list[int]] = field(default_factory=list)  # plain decoding's tokens (greedy: the target's own)
     per_prompt: list[dict] = field(default_factory=list)  # each prompt's emitted tokens and steps (eval.json)
+    mismatches: list[dict] = field(default_factory=list)  # greedy prompts whose outputs differ (greedy_divergence)
 
     def add_steps(self, stats: GenerationStats) -> None:
         self.speculative.add(stats)
@@ -272,7 +273,8 @@ def measure(cfg, target, drafter, rows: list[dict], prompt_ids: list[list[int]],
             p = plain.generate([ids], **sampling, seed=cfg.seed + i)
             matches += int(p.tokens[0] == s.tokens[0])
             if is_greedy(cfg.temperature) and p.tokens[0] != s.tokens[0]:
-                total.per_prompt[-1]["greedy_divergence"] = greedy_divergence(target, ids, s.tokens[0], p.tokens[0])
+                total.mismatches.append(dict(index=i, prompt=total.per_prompt[-1]["prompt"],
+                                             **greedy_divergence(target, ids, s.tokens[0], p.tokens[0])))
             if is_greedy(cfg.temperature):
                 total.replies.append(p.tokens[0])
             total.add_plain_steps(p.stats)
@@ -342,9 +344,7 @@ def results(cfg, target, head_name: str, total: Tally, by_cat: dict, matches: in
         "speedup_vs_vanilla": ratio("vanilla"),
         "speedup_vs_hf_generate": ratio("hf_generate"),
         "greedy_match": matches / total.prompts if is_greedy(cfg.temperature) else None,
-        "greedy_mismatches": [dict(index=i, prompt=row["prompt"], **row["greedy_divergence"])
-                              for i, row in enumerate(total.per_prompt) if "greedy_divergence" in row]
-                             if is_greedy(cfg.temperature) else None,
+        "greedy_mismatches": total.mismatches if is_greedy(cfg.temperature) else None,
         "draft": draft or {},  # the drafter and, for planned trees, the size and the speedup it predicted
         "weight_layout": current_layout(target.model),  # the engines' (HF generate() runs the stock one)
         "step_ms": total.step_ms(),

@@ -148,6 +148,29 @@ def test_sampling_reports_no_greedy_match(target_dir, prompts_file, tmp_path):
     assert res["tau"] == pytest.approx(4.0, abs=0.34)
 
 
+def test_a_greedy_mismatch_is_reported_with_its_prompt_and_token(head_dir, prompts_file, tmp_path, monkeypatch):
+    class PlainDecodingThatSlips(ev.Engine):  # the plain engine's second prompt ends on another token
+        calls = 0
+
+        def generate(self, prompts, **kwargs):
+            out = super().generate(prompts, **kwargs)
+            if self.drafter is None and kwargs.get("max_new_tokens") == 12:
+                PlainDecodingThatSlips.calls += 1
+                if PlainDecodingThatSlips.calls == 2:
+                    out.tokens[0][-1] = (out.tokens[0][-1] + 1) % 50
+            return out
+    monkeypatch.setattr(ev, "Engine", PlainDecodingThatSlips)
+    lines = []
+    res = ev.evaluate(make_cfg(f"checkpoint={head_dir}", f"prompts={prompts_file}", "temperature=0", "plot=false",
+                               "baselines=[vanilla]", f"output={tmp_path / 'out'}", "+draft.policy=dynamic"),
+                      out=lines.append)
+    [miss] = res["greedy_mismatches"]
+    assert miss["index"] == 1 and miss["prompt"] == prompt_key(PROMPTS[1]["prompt"]) and miss["at"] == 11
+    assert miss["tie"] is not None and res["greedy_match"] == pytest.approx(2 / 3)
+    assert any(line.startswith("  prompt 2 differs from its token 12 on: ") for line in lines)
+    assert all(set(row) == {"prompt", "category", "emitted", "steps"} for row in res["per_prompt"])
+
+
 def test_a_greedy_mismatch_is_told_apart_as_a_tie_or_a_real_difference():
     target = load_target(TINY)
     prompt = [5, 6, 7]
