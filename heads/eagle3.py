@@ -248,7 +248,8 @@ class Eagle3Head(OneLayerDrafting, DraftHead):
                 if hits:
                     scored = scored & chain_reachable(hits)[queries]
                     metrics[f"reached_step{j}"] = scored.float().mean()
-                hits.append(scatter_rows(queries, in_top_k(logits.detach(), labels, o["reach_top_k"]), fill=True))
+                if j + 1 < trained:  # what the next step's mask reads (the last step's hits would go unread)
+                    hits.append(scatter_rows(queries, in_top_k(logits.detach(), labels, o["reach_top_k"]), fill=True))
             step_loss = masked_mean(target.kl(logits), scored)
             metrics[f"loss_step{j}"] = step_loss.detach()
             if o["top_k_weight"]:

@@ -513,7 +513,7 @@ class AutoTree(TreePolicy):
             return plan
 
         self.planned = best(rates)
-        if not self.planned.size and "measured" in self.acceptance_source and best(self.prior_rates[:depth]).size:
+        if not self.planned.size and self.acceptance_measured and best(self.prior_rates[:depth]).size:
             # measured acceptance alone never stops drafting: one tree more keeps measuring, so a hard first
             # prompt cannot switch drafting off for good (the measured cost still can)
             self.planned = TreePlan(*max(self.planned.curve[1:], key=lambda row: row[3]), self.planned.curve)
@@ -524,6 +524,7 @@ class AutoTree(TreePolicy):
         """Per-depth top-1 rates to plan with (and where they came from, in acceptance_source): each depth's
         prior (the head's validation, else PRIOR) counted as PRIOR_STEPS steps beside the engine's counts
         (with `measured`: the engine counts greedy calls, the ones a head's validation acceptance describes)."""
+        self.acceptance_measured = False
         if self.acceptance:
             self.acceptance_source = "given"
             return self.acceptance
@@ -531,6 +532,7 @@ class AutoTree(TreePolicy):
         self.acceptance_source = "validation" if proposer.acceptance else "prior"
         if not (measured and self.learn and any(self.offered)):
             return prior
+        self.acceptance_measured = True
         self.acceptance_source += f" + {self.offered[0]} measured steps"
         return [(taken + self.PRIOR_STEPS * rate) / (offered + self.PRIOR_STEPS)
                 for rate, offered, taken in itertools.zip_longest(prior, self.offered[:len(prior)],

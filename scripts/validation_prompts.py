@@ -48,12 +48,17 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from omegaconf import OmegaConf
 
-    from headway.heads.target import load_target
+    from headway.heads.files import write_text_atomic
+    from headway.heads.target import TargetError, load_target
     from headway.train.data.build import build_datasets
+    from headway.train.data.config import DataError
 
     cfg = OmegaConf.load(args.run / ".hydra" / "config.yaml")
-    tokenizer = load_target(OmegaConf.to_container(cfg.target, resolve=True)).tokenizer
-    _, val = build_datasets(cfg.data, tokenizer, cfg.train.max_length, seed=cfg.train.seed)
+    try:
+        tokenizer = load_target(OmegaConf.to_container(cfg.target, resolve=True)).tokenizer
+        _, val = build_datasets(cfg.data, tokenizer, cfg.train.max_length, seed=cfg.train.seed)
+    except (TargetError, DataError) as exc:
+        bc.bad_input(f"cannot rebuild the validation split of {args.run}: {exc}")
     framed = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], tokenize=False,
                                            add_generation_prompt=True)
     head, tail = framed.split(MARK)
@@ -65,10 +70,10 @@ def main(argv=None) -> None:
     rows = rows[:args.max]
     if not rows:
         bc.bad_input(f"no validation conversation of {args.run} starts with a user turn this template frames")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    tmp.replace(args.out)
+    try:
+        write_text_atomic(args.out, "".join(json.dumps(r) + "\n" for r in rows))
+    except OSError as exc:
+        bc.bad_input(f"cannot write {args.out}: {exc.strerror or exc}")
     print(f"{len(rows)} of {len(val)} validation conversations -> {args.out}")
 
 

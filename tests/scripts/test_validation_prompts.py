@@ -1,5 +1,6 @@
 """scripts/validation_prompts.py: a run's held-out conversations become a prompt set the evaluator reads."""
 
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -10,9 +11,7 @@ from headway.heads.target import load_target
 from headway.infer.prompt_sets import load_prompt_set
 from headway.train.data.build import build_datasets
 
-from conftest import SCRIPTS
-
-CONF = SCRIPTS.parent / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def smoke_run(folder):
