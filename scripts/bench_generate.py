@@ -7,6 +7,7 @@ on the same prompts, settings and batch size, in one run; or the HF path under s
     python scripts/bench_generate.py --weight-layouts blocks:mkl blocks:onednn   # many-row GEMM: MKL vs oneDNN
     python scripts/bench_generate.py --weight-layouts auto bf16 auto bf16   # fp32 (this machine's layout) vs bf16
     python scripts/bench_generate.py --stage prompts --weight-layouts bf16:hf-attention bf16   # writing prompts
+    python scripts/bench_generate.py --stage prompts --weight-layouts bf16 --examples 0 3   # examples shown or not
     python scripts/bench_generate.py --weight-layouts bf16:sdpa bf16 bf16:sdpa bf16   # decode-step attention kernel
 
 The prompts are the default dataset's written ones (the first --prompts), answered greedily up to
@@ -20,8 +21,10 @@ of the target generates, stock layout); `bf16:hf-attention`: the same with trans
 of the copy's (train/data/decode.py, sdpa_packed_at_decode); `bf16:sdpa`: the copy's attention through PyTorch's SDPA
 instead of heads/kernels/decode_attention at a decode step (`auto:sdpa`, `blocks:sdpa`: the same for the fp32
 target in a layout). `--stage prompts` times the other stage of the default
-set's build instead: --prompts candidates of one category written by the target (its self_prompt_* settings:
-temperature 1, top-p 0.95, up to 96 tokens, rows of one shared prefix), one batch per --batch-size.
+set's build instead: --prompts candidates of one category written by the target (the default dataset's
+self_prompt_* settings: temperature 1, top-p 0.95, up to 96 tokens), one batch per --batch-size, each layout once
+per --examples count (written prompts shown first, each candidate its own draw; 0: the hint alone, rows of one
+shared prefix), with candidates/s and their mean length in words beside tokens/s.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--stage", choices=("answers", "prompts"), default="answers",
                    help="answers: the written prompts answered greedily; prompts: the target writing prompts "
                         "(needs --weight-layouts)")
+    p.add_argument("--examples", type=int, nargs="+", default=[0], metavar="N",
+                   help="--stage prompts: written prompts shown before each candidate (each count in turn)")
     p.add_argument("--vllm-python", help="a python that has vLLM (default: this one)")
     p.add_argument("--weight-layouts", nargs="+", metavar="LAYOUT",
                    help="compare the HF path under these weight layouts (heads.kernels.weight_layout) instead of vLLM; "
@@ -65,22 +70,26 @@ def same_responses(a: Path, b: Path) -> int:
     return sum(mine[k] == theirs.get(k) for k in mine)
 
 
-def write_prompts(target, args, settings) -> tuple[int, dict[str, str]]:
+def write_prompts(target, args, settings, examples: int) -> tuple[int, dict[str, str]]:
     """The default set's prompt-writing stage on --prompts candidates of one category, under `settings`' layout
-    and precision -> (tokens written, {candidate id: prompt})."""
+    and precision, `examples` written prompts shown before each -> (tokens written, {candidate id: prompt})."""
     from dataclasses import replace
+
+    from omegaconf import OmegaConf
 
     from headway.train.data.config import RegenConfig
     from headway.train.data.decode import generating
-    from headway.train.data.default_set import self_prompt_settings
+    from headway.train.data.default_set import default_prompts, self_prompt_settings
     from headway.train.data.regenerate import stop_token_ids
-    from headway.train.data.self_prompts import write_candidates
+    from headway.train.data.self_prompts import example_pools, write_candidates
 
-    writing = replace(self_prompt_settings(RegenConfig()), batch_size=args.batch_size)
+    regen = RegenConfig(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "data" / "default.yaml").regen))
+    writing = replace(self_prompt_settings(regen), batch_size=args.batch_size, examples=examples)
+    pools = example_pools([p for p in default_prompts() if p["source"] == "written"])
     todo = [{"id": f"bench-{k:05d}", "category": "writing"} for k in range(args.prompts)]
     tokens, texts = 0, {}
     with generating(target, settings.weight_layout, settings.precision):
-        for rows, written in write_candidates(target, todo, writing, stop_token_ids(target.tokenizer)):
+        for rows, written in write_candidates(target, todo, writing, stop_token_ids(target.tokenizer), pools=pools):
             tokens += written
             texts.update((r["id"], r["prompt"]) for r in rows)
     return tokens, texts
@@ -95,6 +104,8 @@ def main(argv=None) -> int:
     from headway.train.data.regenerate import GenerationSettings, prompt_rows, regenerate
     from headway.train.data.vllm_decode import VllmDecoder, max_model_len, resolve_backend
 
+    if any(n < 0 for n in args.examples) or (args.examples != [0] and args.stage != "prompts"):
+        bc.bad_input("--examples: counts of 0 or more, with --stage prompts")
     if args.weight_layouts:
         from headway.heads.kernels.gemm import BACKENDS
         from headway.heads.kernels.weight_layout import LAYOUTS
@@ -167,11 +178,13 @@ def compare_layouts(args, target, rows) -> int:
                 pass
         except ValueError as exc:  # why this target or machine cannot run it
             bc.bad_input(f"--weight-layouts {entry}: {exc}")
-    rates, first = [], None
+    rates, first, names = [], None, []
+    runs = [(entry, n) for n in args.examples for entry in args.weight_layouts]  # --examples: prompts stage only
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for i, entry in enumerate(args.weight_layouts):  # a layout named twice runs twice (noise)
+            for i, (entry, examples) in enumerate(runs):  # a layout named twice runs twice (noise)
                 layout, _, gemm = entry.partition(":")
+                name = entry if len(args.examples) == 1 else f"{entry} with {examples} examples"
                 bf16 = entry in BF16_ENTRIES
                 settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                               weight_layout="stock" if bf16 else layout,
@@ -181,18 +194,22 @@ def compare_layouts(args, target, rows) -> int:
                 started = time.perf_counter()
                 with forced_backend(gemm) if gemm and gemm != SDPA and not bf16 else nullcontext():
                     if args.stage == "prompts":
-                        tokens, texts = write_prompts(target, args, settings)
+                        tokens, texts = write_prompts(target, args, settings, examples)
                     else:
                         stats = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)
                         tokens = stats["generated_tokens"]
                         texts = responses(Path(tmp) / f"{i}.jsonl")
                 seconds = time.perf_counter() - started
                 rates.append(tokens / seconds)
+                names.append(name)
                 first = texts if first is None else first
                 same = sum(first[k] == texts.get(k) for k in first)
                 what = "prompts written" if args.stage == "prompts" else "greedy responses"
-                print(f"{entry}: {tokens} tokens in {seconds:.1f} s = {rates[-1]:.1f} tok/s "
-                      f"({what} identical to {args.weight_layouts[0]}'s: {same} of {len(first)})", flush=True)
+                per_prompt = (f", {len(texts) / seconds:.2f} candidates/s of "
+                              f"{sum(len(t.split()) for t in texts.values()) / len(texts):.1f} words"
+                              if args.stage == "prompts" else "")
+                print(f"{name}: {tokens} tokens in {seconds:.1f} s = {rates[-1]:.1f} tok/s{per_prompt} "
+                      f"({what} identical to {names[0]}'s: {same} of {len(first)})", flush=True)
     finally:
         decode_module.GROUPED_DECODE_ATTENTION = True  # the copy's own attention again, whatever happened
         decode_module.DECODE_ATTENTION_KERNEL = True
@@ -200,7 +217,7 @@ def compare_layouts(args, target, rows) -> int:
         print(f"{args.prompts} prompts written, batch {args.batch_size}, up to 96 tokens, temperature 1, top-p 0.95")
     else:
         print(f"{len(rows)} prompts, batch {args.batch_size}, up to {args.max_new_tokens} new tokens, greedy")
-    print(f"{args.weight_layouts[-1]} / {args.weight_layouts[0]} tokens/s: {rates[-1] / rates[0]:.2f}x")  # last vs first
+    print(f"{names[-1]} / {names[0]} tokens/s: {rates[-1] / rates[0]:.2f}x")  # last vs first
     return 0
 
 

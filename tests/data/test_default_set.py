@@ -14,7 +14,8 @@ from headway.train.data.config import RegenConfig
 from headway.train.data.hidden_cache import HiddenStateCache, build_cache
 from headway.train.data.overlap import OverlapIndex, evaluation_prompts
 from headway.train.data.regenerate import JsonlSink
-from headway.train.data.self_prompts import CATEGORIES, select_prompts, user_turn_prefix
+from headway.train.data.self_prompts import (MAX_EXAMPLE_CHARS, CATEGORIES, SelfPromptSettings, example_pools,
+                                             examples_for, select_prompts, user_turn_prefix)
 
 LAYERS = [2, 4]  # an eagle3-like head on the tiny target (4 layers): aux layer 2 and the last one
 REGEN = dict(target="tiny-random", target_name="tiny-random", num_prompts=10, max_new_tokens=8, batch_size=5,
@@ -88,6 +89,45 @@ def test_full_disk_is_a_data_error():
 def test_user_turn_prefix_ends_where_the_user_writes(target):
     ids = user_turn_prefix(target.tokenizer, "hint")
     assert target.tokenizer.decode(ids).endswith("<|im_start|>user\n") and "hint" in target.tokenizer.decode(ids)
+
+
+def test_examples_come_first_as_earlier_user_turns(target):
+    tok = target.tokenizer
+    text = tok.decode(user_turn_prefix(tok, "hint", ["Write a poem.", "What is 2+2?"]))
+    assert text.endswith("<|im_start|>user\n")
+    users = text.split("<|im_start|>user\n")
+    assert [u.split("<|im_end|>")[0] for u in users[1:-1]] == ["Write a poem.", "What is 2+2?"]
+    assert all("<|im_start|>assistant\n...<|im_end|>" in u for u in users[1:-1])  # an answer between them
+
+
+def test_each_candidate_draws_its_own_examples_the_same_way_every_time():
+    pool = [f"Prompt number {i}." for i in range(20)]
+    three = SelfPromptSettings(examples=3)
+    draws = {row: examples_for(row, pool, three) for row in ("self-math-00000", "self-math-00001")}
+    assert all(len(d) == 3 == len(set(d)) and set(d) <= set(pool) for d in draws.values())
+    assert draws["self-math-00000"] != draws["self-math-00001"]  # candidates differ ...
+    assert examples_for("self-math-00000", pool, three) == draws["self-math-00000"]  # ... a resumed build does not
+    assert examples_for("self-math-00000", pool, SelfPromptSettings(examples=3, seed=1)) != draws["self-math-00000"]
+    assert examples_for("x", pool[:2], three) == examples_for("x", pool[:2], three) and \
+        len(examples_for("x", pool[:2], three)) == 2 and examples_for("x", [], three) == []
+    assert examples_for("x", pool, SelfPromptSettings()) == []  # examples=0: the hint alone
+
+
+def test_example_pools_hold_the_short_written_prompts_of_each_category():
+    long_one = "Summarise: " + "word " * MAX_EXAMPLE_CHARS
+    pools = example_pools([{"category": "math", "prompt": "What is 3 x 4?"},
+                           {"category": "math", "prompt": long_one},
+                           {"category": "translation", "prompt": "Translate 'cat' into French."}])
+    assert pools["math"] == ["What is 3 x 4?"] and pools["advice"] == [] and set(pools) == set(CATEGORIES)
+
+
+def test_shown_examples_key_a_new_dataset():
+    from headway.train.data.default_set import default_dataset_path, default_prompts
+
+    prompts = default_prompts(4)
+    plain = RegenConfig(**{**REGEN, "self_prompts": 5})
+    steered = RegenConfig(**{**REGEN, "self_prompts": 5, "self_prompt_examples": 3})
+    assert default_dataset_path(plain, prompts) != default_dataset_path(steered, prompts)
 
 
 def candidate(i, text, category="writing", finished=True):

@@ -244,6 +244,21 @@ def test_bench_generate_times_the_prompt_writing_stage(script, capsys):
     assert decode_module.GROUPED_DECODE_ATTENTION and decode_module.DECODE_ATTENTION_KERNEL
 
 
+def test_bench_generate_writes_prompts_with_and_without_examples(script, capsys):
+    lines = run(script("bench_generate"), ["--target", "tiny-random", "--prompts", "3", "--batch-size", "2",
+                                           "--stage", "prompts", "--weight-layouts", "stock", "--examples", "0", "2"],
+                capsys)
+    assert lines[0].startswith("stock with 0 examples: ") and "candidates/s of" in lines[0]
+    assert lines[1].startswith("stock with 2 examples: ") and "identical to stock with 0 examples's" in lines[1]
+    assert lines[-1].startswith("stock with 2 examples / stock with 0 examples tokens/s: ")
+
+
+def test_bench_generate_refuses_examples_outside_the_prompt_stage(script, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        script("bench_generate").main(["--target", "tiny-random", "--weight-layouts", "stock", "--examples", "3"])
+    assert exit_.value.code == 2 and capsys.readouterr().err.startswith("error: --examples: counts of 0 or more")
+
+
 @pytest.mark.parametrize("layout,why", [("tiles", "tiles: weight_layout=tiles needs a target"),
                                         ("nosuch", "nosuch: use one of auto, stock"),
                                         ("stock:blas", "stock:blas: after ':' name the GEMM (mkl, onednn) or sdpa")])

@@ -33,6 +33,7 @@ class RegenConfig:
     self_prompt_max_new_tokens: int = 64
     self_prompt_temperature: float = 1.0
     self_prompt_top_p: float = 0.95
+    self_prompt_examples: int = 0  # written prompts of the category shown before each one (style steering)
 
 
 @dataclass

@@ -28,7 +28,8 @@ from headway.train.data.config import DataError, RegenConfig
 from headway.train.data.decode import generating, resolve_precision
 from headway.train.data.regenerate import (HOW_NOT_WHAT, GenerationSettings, JsonlSink, ProgressBar, content_settings,
                                            done_ids, prompt_rows, regenerate, stop_token_ids, unwritable)
-from headway.train.data.self_prompts import SelfPromptSettings, candidate_rows, select_prompts, write_candidates
+from headway.train.data.self_prompts import (SelfPromptSettings, candidate_rows, example_pools, select_prompts,
+                                             write_candidates)
 from headway.train.data.vllm_decode import open_decoder
 
 WRITTEN_PROMPTS = Path(__file__).parent / "builtin" / "default_prompts.jsonl"
@@ -57,7 +58,7 @@ def self_prompt_settings(regen: RegenConfig) -> SelfPromptSettings:
     return SelfPromptSettings(per_category=regen.self_prompts, oversample=regen.self_prompt_oversample,
                               max_new_tokens=regen.self_prompt_max_new_tokens,
                               temperature=regen.self_prompt_temperature, top_p=regen.self_prompt_top_p,
-                              batch_size=regen.batch_size, seed=regen.seed)
+                              batch_size=regen.batch_size, seed=regen.seed, examples=regen.self_prompt_examples)
 
 
 def default_dataset_path(regen: RegenConfig, prompts: list[dict]) -> Path:
@@ -66,7 +67,8 @@ def default_dataset_path(regen: RegenConfig, prompts: list[dict]) -> Path:
     key = {"prompts": [(p["id"], p["prompt"]) for p in prompts], "target": regen.target,
            "settings": content_settings(settings_of(regen))}
     if regen.self_prompts:  # key of a default set without self-written prompts unchanged
-        key["self_prompts"] = {k: v for k, v in asdict(self_prompt_settings(regen)).items() if k not in skip}
+        key["self_prompts"] = {k: v for k, v in asdict(self_prompt_settings(regen)).items()
+                               if k not in skip and not (k == "examples" and v == 0)}  # earlier keys unchanged
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return cache_root() / "data" / f"default-{regen.target_name}-{digest}.jsonl"
 
@@ -147,7 +149,8 @@ def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: P
     rows = candidate_rows(settings)
     todo = [r for r in rows if r["id"] not in sink.done]
     bar = ProgressBar(len(rows), len(rows) - len(todo), "writing prompts", True)
-    for batch, tokens in write_candidates(target, todo, settings, stop_token_ids(target.tokenizer), decoder):
+    pools = example_pools([p for p in fixed if p["source"] == "written"])
+    for batch, tokens in write_candidates(target, todo, settings, stop_token_ids(target.tokenizer), decoder, pools):
         sink.write(batch)
         bar.update(len(batch), tokens)
     bar.close()

@@ -2,7 +2,10 @@
 
 An instruct model fed its chat template up to the start of a user turn (`<|im_start|>system\\n...<|im_end|>
 \\n<|im_start|>user\\n` for ChatML) writes a plausible user message. A category hint in the system turn
-steers the topic, so categories can be balanced. Candidates are sampled (temperature ~1), then filtered:
+steers the topic, so categories can be balanced; with `examples`, a few of the written training prompts of the
+category come first as earlier user turns (each candidate its own draw), which steers the style too: a small
+target's unsteered prompts are long and rambling, unlike what users ask. Candidates are sampled (temperature ~1),
+then filtered:
 unfinished, empty, too short, degenerate (repetitive), chat markup, no sensible ending, duplicates, near
 duplicates (4-gram Jaccard) and anything overlapping a held-out evaluation prompt (train.data.overlap).
 Each category keeps the same number of prompts (the smallest survivor count caps none: a category short
@@ -11,6 +14,7 @@ of its quota is reported, not padded).
 
 from __future__ import annotations
 
+import random
 import zlib
 from dataclasses import dataclass
 
@@ -30,6 +34,8 @@ CATEGORIES = {  # category -> hint in the system turn (the user turn itself is t
     "humanities": "The user asks about history, philosophy, economics, law, art, literature or society.",
     "advice": "The user asks for practical advice about health, work, travel, cooking, money or daily life.",
 }
+EXAMPLE_REPLY = "..."  # the earlier turns' assistant side: the model writes a user turn, not a reply
+MAX_EXAMPLE_CHARS = 300  # longer written prompts (passages to summarise) are not shown as examples
 MIN_WORDS, MIN_CHARS = 4, 20
 NEAR_DUP_N, NEAR_DUP_JACCARD = 4, 0.5
 MARKUP = ("<|", "|>", "<im_", "[INST]", "</s>")
@@ -45,13 +51,33 @@ class SelfPromptSettings:
     top_p: float = 0.95
     batch_size: int = 64
     seed: int = 0
+    examples: int = 0  # written prompts of the category shown first as earlier user turns (0: the hint only)
 
 
-def user_turn_prefix(tokenizer, system: str) -> list[int]:
-    """Token ids of the chat template up to where a user message's text starts."""
-    text = tokenizer.apply_chat_template([{"role": "system", "content": system},
+def user_turn_prefix(tokenizer, system: str, examples: list[str] = ()) -> list[int]:
+    """Token ids of the chat template up to where a user message's text starts, after `examples` as
+    earlier user turns."""
+    turns = [m for ex in examples for m in ({"role": "user", "content": ex},
+                                            {"role": "assistant", "content": EXAMPLE_REPLY})]
+    text = tokenizer.apply_chat_template([{"role": "system", "content": system}, *turns,
                                           {"role": "user", "content": PLACEHOLDER}], tokenize=False)
     return tokenizer(text[:text.index(PLACEHOLDER)], add_special_tokens=False)["input_ids"]
+
+
+def example_pools(prompts: list[dict]) -> dict[str, list[str]]:
+    """Category -> the short prompts in `prompts` (the written training set) that can be shown as examples."""
+    pools = {cat: [] for cat in CATEGORIES}
+    for p in prompts:
+        if p["category"] in pools and len(p["prompt"]) <= MAX_EXAMPLE_CHARS:
+            pools[p["category"]].append(p["prompt"])
+    return pools
+
+
+def examples_for(row_id: str, pool: list[str], settings: SelfPromptSettings) -> list[str]:
+    """The examples one candidate is shown: a draw fixed by its id and the seed (a resumed build redraws the
+    same ones); fewer when the category has fewer, none for a category without written prompts."""
+    rng = random.Random(settings.seed * 1_000_003 + zlib.crc32(row_id.encode()))
+    return rng.sample(pool, min(settings.examples, len(pool)))
 
 
 def candidate_rows(settings: SelfPromptSettings) -> list[dict]:
@@ -61,19 +87,22 @@ def candidate_rows(settings: SelfPromptSettings) -> list[dict]:
 
 
 @torch.no_grad()
-def write_candidates(target, todo: list[dict], settings: SelfPromptSettings, stop_ids: list[int], decoder=None):
+def write_candidates(target, todo: list[dict], settings: SelfPromptSettings, stop_ids: list[int], decoder=None,
+                     pools: dict[str, list[str]] | None = None):
     """Yield (rows with "prompt" and "finished", tokens written) one batch at a time; a batch holds one
-    category, so its prompt prefix is computed once for all rows. decoder: a VllmDecoder (else HF here)."""
+    category. pools: example_pools of the written prompts (settings.examples of them shown per candidate).
+    decoder: a VllmDecoder (else HF here)."""
     from headway.train.data.decode import decode_with
 
     tok = target.tokenizer
     for cat, hint in CATEGORIES.items():
-        prefix = user_turn_prefix(tok, hint)
+        pool = (pools or {}).get(cat, [])
         rows = [r for r in todo if r["category"] == cat]
         for start in range(0, len(rows), settings.batch_size):
             chunk = rows[start:start + settings.batch_size]
+            prefixes = [user_turn_prefix(tok, hint, examples_for(r["id"], pool, settings)) for r in chunk]
             seed = settings.seed * 1_000_003 + zlib.crc32("|".join(r["id"] for r in chunk).encode())
-            out = decode_with(target, [prefix] * len(chunk), settings.max_new_tokens, stop_ids,
+            out = decode_with(target, prefixes, settings.max_new_tokens, stop_ids,
                               settings.temperature, settings.top_p, seed, decoder=decoder)
             written = [dict(r, prompt=tok.decode(ids, skip_special_tokens=True).strip(), finished=fin, source="self")
                        for r, ids, fin in zip(chunk, out.tokens, out.finished)]
