@@ -121,6 +121,13 @@ def test_example_pools_hold_the_short_written_prompts_of_each_category():
     assert pools["math"] == ["What is 3 x 4?"] and pools["advice"] == [] and set(pools) == set(CATEGORIES)
 
 
+def test_a_negative_example_count_is_one_clear_error():
+    from headway.train.data.default_set import self_prompt_settings
+
+    with pytest.raises(DataError, match=r"self_prompt_examples=-1: use 0"):
+        self_prompt_settings(RegenConfig(**{**REGEN, "self_prompt_examples": -1}))
+
+
 def test_shown_examples_key_a_new_dataset():
     from headway.train.data.default_set import default_dataset_path, default_prompts
 

@@ -55,6 +55,9 @@ def settings_of(regen: RegenConfig) -> GenerationSettings:
 
 
 def self_prompt_settings(regen: RegenConfig) -> SelfPromptSettings:
+    if regen.self_prompt_examples < 0:
+        raise DataError(f"data.regen.self_prompt_examples={regen.self_prompt_examples}: use 0 (the category hint "
+                        "alone) or more written prompts shown before each self-written one")
     return SelfPromptSettings(per_category=regen.self_prompts, oversample=regen.self_prompt_oversample,
                               max_new_tokens=regen.self_prompt_max_new_tokens,
                               temperature=regen.self_prompt_temperature, top_p=regen.self_prompt_top_p,
