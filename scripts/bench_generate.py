@@ -77,13 +77,13 @@ def write_prompts(target, args, settings, examples: int) -> tuple[int, dict[str,
 
     from omegaconf import OmegaConf
 
-    from headway.train.data.config import RegenConfig
+    from headway.train.data.config import as_data_config
     from headway.train.data.decode import generating
     from headway.train.data.default_set import default_prompts, self_prompt_settings
     from headway.train.data.regenerate import stop_token_ids
     from headway.train.data.self_prompts import example_pools, write_candidates
 
-    regen = RegenConfig(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "data" / "default.yaml").regen))
+    regen = as_data_config(OmegaConf.load(ROOT / "conf" / "data" / "default.yaml")).regen
     writing = replace(self_prompt_settings(regen), batch_size=args.batch_size, examples=examples)
     pools = example_pools([p for p in default_prompts() if p["source"] == "written"])
     todo = [{"id": f"bench-{k:05d}", "category": "writing"} for k in range(args.prompts)]

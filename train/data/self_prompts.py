@@ -98,9 +98,13 @@ def write_candidates(target, todo: list[dict], settings: SelfPromptSettings, sto
     for cat, hint in CATEGORIES.items():
         pool = (pools or {}).get(cat, [])
         rows = [r for r in todo if r["category"] == cat]
+        prefix_of = {}  # examples shown -> prefix ids: the hint alone is templated once per category, not per row
         for start in range(0, len(rows), settings.batch_size):
             chunk = rows[start:start + settings.batch_size]
-            prefixes = [user_turn_prefix(tok, hint, examples_for(r["id"], pool, settings)) for r in chunk]
+            shown = [tuple(examples_for(r["id"], pool, settings)) for r in chunk]
+            for ex in set(shown) - prefix_of.keys():
+                prefix_of[ex] = user_turn_prefix(tok, hint, ex)
+            prefixes = [prefix_of[ex] for ex in shown]
             seed = settings.seed * 1_000_003 + zlib.crc32("|".join(r["id"] for r in chunk).encode())
             out = decode_with(target, prefixes, settings.max_new_tokens, stop_ids,
                               settings.temperature, settings.top_p, seed, decoder=decoder)
