@@ -16,7 +16,7 @@ looks its rows up (transformers reorders the rows of q_proj/k_proj for its rotar
 used only when all its rows equal a GGUF tensor's rows bit for bit. 1..MAX_ROWS rows (a decode step, a tree)
 run through the kernel; prefill and decoding batches take the machine's faster many-row GEMM (heads/kernels/gemm.py),
 autograd and a weight changed since the stock F.linear. Models not
-loaded from a GGUF file, or without a compiler or AVX-512, simply do not offer the layout.
+loaded from a GGUF file, or without a compiler or AVX-512 or AVX2, simply do not offer the layout.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from headway.heads.kernels.gemm import many_rows_linear
-from headway.heads.kernels.panel import build_extension, from_panels, kernel_tag, to_panels
+from headway.heads.kernels.panel import build_extension, from_panels, isa_problem, kernel_tag, to_panels
 
 SOURCE = Path(__file__).with_name("blocks_linear.cpp")
 BLOCK = 32  # weights per scale (GGUF's Q4_1 and Q8_0 block size)
@@ -59,8 +59,8 @@ class BlockWeights:
 
 def unavailable_reason(model: nn.Module | None = None) -> str | None:
     """None when the layout can run here (for `model`: loaded from a GGUF file), else why not (one line)."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return f"needs AVX-512 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+    if isa_problem():
+        return isa_problem()
     if model is not None and gguf_source(model) is None:
         return "the target was not loaded from a GGUF file"
     try:

@@ -1,4 +1,4 @@
-// One decode step of grouped-query attention on a CPU, AVX-512 (heads/kernels/decode_attention.py).
+// One decode step of grouped-query attention on a CPU, AVX-512 or AVX2 (heads/kernels/decode_attention.py).
 //
 // q [B, Hkv, G, D]: the G query heads that share each key/value head, one query token per row;
 // k, v [B, Hkv, T, D]: the cached keys and values (bf16 or fp32, rows of D contiguous, any batch/head strides:
@@ -10,67 +10,54 @@
 // Here each (row, key/value head) is one task: for every query head, the scores over the cached tokens
 // (fp32 dot products of the converted key rows, K stays in L2 for the next query head), a softmax, and the
 // probability-weighted sum of the value rows; fp32 throughout, rounded once to q's dtype at the end.
+// Vectors are simd.h's: 16 lanes with AVX-512, 8 with AVX2.
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
 
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+using simd::LANES;
+using simd::Vec;
 
-inline __m512 load16(const at::BFloat16* p) {  // 16 bf16 -> fp32: the bf16 bits are the float's high half
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-
-inline void store16(at::BFloat16* p, __m512 x) {  // fp32 -> bf16, round to nearest even (as torch's .to())
-  __m512i bits = _mm512_castps_si512(x);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-}
-
-// exp(x) for x <= 0 (scores minus their max), ~2 ulp: x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n by
-// scalef. -inf (a masked score) gives exactly 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-                                            _CMP_NEQ_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+// exp(x) for x <= 0 (scores minus their max), ~2 ulp: x = n ln2 + r, exp(r) by a degree-6 polynomial, times
+// 2^n. -inf (a masked score) gives exactly 0.
+inline Vec exp_nonpositive(Vec x) {
+  const Vec given = x;
+  x = simd::max(x, simd::broadcast(-87.0f));
+  const Vec n = simd::round_nearest(simd::mul(x, simd::broadcast(1.44269504088896341f)));
+  Vec r = simd::fma(n, simd::broadcast(-0.693145751953125f), x);
+  r = simd::fma(n, simd::broadcast(-1.428606765330187e-06f), r);
+  Vec p = simd::broadcast(1.0f / 720);
+  p = simd::fma(p, r, simd::broadcast(1.0f / 120));
+  p = simd::fma(p, r, simd::broadcast(1.0f / 24));
+  p = simd::fma(p, r, simd::broadcast(1.0f / 6));
+  p = simd::fma(p, r, simd::broadcast(0.5f));
+  p = simd::fma(p, r, simd::broadcast(1.0f));
+  p = simd::fma(p, r, simd::broadcast(1.0f));
+  return simd::zero_where_minus_inf(given, simd::times_pow2(p, n));
 }
 
 // scores[t] = scale * q . k[t] (-inf where masked); returns their max
 template <int DV, typename T>
 float scores_of(const T* q, const T* k, int64_t T_len, const bool* mask, float scale, float* scores) {
-  __m512 qv[DV];
-  for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(load16(q + 16 * v), _mm512_set1_ps(scale));
+  Vec qv[DV];
+  for (int v = 0; v < DV; ++v) qv[v] = simd::mul(simd::load(q + LANES * v), simd::broadcast(scale));
   float best = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < T_len; ++t) {
     if (mask && !mask[t]) {
       scores[t] = -std::numeric_limits<float>::infinity();
       continue;
     }
-    const T* row = k + t * 16 * DV;
-    __m512 acc = _mm512_mul_ps(qv[0], load16(row));
-    for (int v = 1; v < DV; ++v) acc = _mm512_fmadd_ps(qv[v], load16(row + 16 * v), acc);
-    const float s = _mm512_reduce_add_ps(acc);
+    const T* row = k + t * LANES * DV;
+    Vec acc = simd::mul(qv[0], simd::load(row));
+    for (int v = 1; v < DV; ++v) acc = simd::fma(qv[v], simd::load(row + LANES * v), acc);
+    const float s = simd::sum(acc);
     scores[t] = s;
     best = s > best ? s : best;
   }
@@ -79,37 +66,45 @@ float scores_of(const T* q, const T* k, int64_t T_len, const bool* mask, float s
 
 // scores -> exp(scores - best) in place; returns their sum
 inline float exponentiate(float* scores, int64_t T_len, float best) {
-  const __m512 shift = _mm512_set1_ps(best);
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t t = 0; t < T_len; t += 16) {
-    const __mmask16 in = T_len - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (T_len - t)) - 1);
-    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, scores + t), shift));
-    e = _mm512_maskz_mov_ps(in, e);
-    _mm512_mask_storeu_ps(scores + t, in, e);
-    total = _mm512_add_ps(total, e);
+  const Vec shift = simd::broadcast(best);
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  Vec total = simd::zero();
+  for (int64_t t = 0; t < T_len; t += LANES) {
+    // past the end: -inf, whose exp is 0, so the sum takes nothing from there
+    const int64_t left = T_len - t;
+    Vec x = left >= LANES ? simd::load(scores + t) : simd::load_first(scores + t, left);
+    if (left < LANES) {
+      alignas(64) float padded[LANES];
+      simd::store(padded, x);
+      for (int64_t i = left; i < LANES; ++i) padded[i] = minus_inf;
+      x = simd::load(padded);
+    }
+    const Vec e = exp_nonpositive(simd::sub(x, shift));
+    simd::store_first(scores + t, e, left);
+    total = simd::add(total, e);
   }
-  return _mm512_reduce_add_ps(total);
+  return simd::sum(total);
 }
 
 // out = sum_t weights[t] v[t] / total
 template <int DV, typename T>
 void weighted_values(const float* weights, const T* v, int64_t T_len, float total, T* out) {
-  __m512 acc[DV];
-  for (int i = 0; i < DV; ++i) acc[i] = _mm512_setzero_ps();
+  Vec acc[DV];
+  for (int i = 0; i < DV; ++i) acc[i] = simd::zero();
   for (int64_t t = 0; t < T_len; ++t) {
     if (weights[t] == 0.0f) continue;  // masked (left padding)
-    const __m512 w = _mm512_set1_ps(weights[t]);
-    const T* row = v + t * 16 * DV;
-    for (int i = 0; i < DV; ++i) acc[i] = _mm512_fmadd_ps(w, load16(row + 16 * i), acc[i]);
+    const Vec w = simd::broadcast(weights[t]);
+    const T* row = v + t * LANES * DV;
+    for (int i = 0; i < DV; ++i) acc[i] = simd::fma(w, simd::load(row + LANES * i), acc[i]);
   }
-  const __m512 norm = _mm512_set1_ps(1.0f / total);
-  for (int i = 0; i < DV; ++i) store16(out + 16 * i, _mm512_mul_ps(acc[i], norm));
+  const Vec norm = simd::broadcast(1.0f / total);
+  for (int i = 0; i < DV; ++i) simd::store(out + LANES * i, simd::mul(acc[i], norm));
 }
 
 template <int DV, typename T>
 void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const bool* mask,
             double scale, torch::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), T_len = k.size(2), D = 16 * DV;
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), T_len = k.size(2), D = LANES * DV;
   const T* qs = q.data_ptr<T>();
   const T* ks = k.data_ptr<T>();
   const T* vs = v.data_ptr<T>();
@@ -136,8 +131,8 @@ template <typename T>
 void dispatch_width(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const bool* mask,
                     double scale, torch::Tensor& out) {
   switch (q.size(3)) {
-    case 64: return attend<4, T>(q, k, v, mask, scale, out);
-    case 128: return attend<8, T>(q, k, v, mask, scale, out);
+    case 64: return attend<64 / LANES, T>(q, k, v, mask, scale, out);
+    case 128: return attend<128 / LANES, T>(q, k, v, mask, scale, out);
     default: TORCH_CHECK(false, "head dim must be 64 or 128");
   }
 }

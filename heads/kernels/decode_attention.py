@@ -7,7 +7,8 @@ kernel reads each cached key and value row once per query head from L2, in fp32,
 the same attention up to the order of the fp32 sums (closer to an fp64 reference than SDPA's, in the tests).
 
 Compiled with the system C++ compiler on first use (torch.utils.cpp_extension; ~20 s once, then cached in
-torch's extension folder); without a compiler or AVX-512 `decode_attention` returns None and callers keep SDPA.
+torch's extension folder), for AVX-512 or AVX2 (heads/kernels/panel.py); without a compiler or either
+`decode_attention` returns None and callers keep SDPA.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def kernel():
 
 @lru_cache(maxsize=1)
 def available() -> bool:
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+    from headway.heads.kernels.panel import kernel_isa
+
+    if kernel_isa() is None:
         return False
     try:
         kernel()

@@ -1,4 +1,4 @@
-"""The "panel" weight layout: every Linear multiplies a few rows (2 <= M <= 32) through a small AVX-512
+"""The "panel" weight layout: every Linear multiplies a few rows (2 <= M <= 32) through a small AVX-512 or AVX2
 kernel (panel_linear.cpp) that reads the weights once whatever M is, so verifying a tree of 8 tokens costs
 little more than a decode step. One row (the decode step) takes whichever of MKL's matrix-vector product
 (F.linear) and this kernel is faster on this machine, measured once and cached (`one_row_path`): on the
@@ -9,8 +9,9 @@ machine's faster many-row GEMM (heads/kernels/gemm.py).
 Each Linear keeps its stock weight and gains a copy laid out as panels [P, in, 48] (48 output features
 per panel, zero-padded), i.e. the layout doubles the Linear weights in memory. The kernel is compiled
 with the system C++ compiler on first use (torch.utils.cpp_extension; ~20-40 s once, then cached in
-torch's extension folder, $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions); without a compiler or
-AVX-512 the layout is simply unavailable.
+torch's extension folder, $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions), for AVX-512 where PyTorch
+runs its own kernels in AVX-512, else for AVX2 with FMA; without a compiler or either the layout is simply
+unavailable.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from headway.heads.target import cache_root
 
 
 SOURCE = Path(__file__).with_name("panel_linear.cpp")
-SHARED_HEADER = Path(__file__).with_name("panel_rows.h")  # what this kernel and the blocks kernel share
-COLS = 48  # output features per panel (3 AVX-512 vectors)
+# what this kernel and the blocks kernel share, and the vector operations of every kernel
+SHARED_HEADERS = (Path(__file__).with_name("panel_rows.h"), Path(__file__).with_name("simd.h"))
+COLS = 48  # output features per panel (3 AVX-512 vectors, 6 AVX2 ones)
 MIN_ROWS, MAX_ROWS = 2, 32  # one row: see one_row_path; above 32 the stock GEMM wins (compute-bound prefill)
 ONE_ROW_PATHS = ("mkl", "kernel")
 ONE_ROW_VERSION = 1
@@ -43,10 +45,36 @@ ONE_ROW_GAIN = 1.1  # the kernel takes one row only where it is clearly faster t
 ONE_ROW_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (2048, 2048), (5632, 2048))
 
 
+# the compiler flags of each instruction set the panel kernels are built for (panel_rows.h), by the name
+# torch.backends.cpu.get_cpu_capability() gives the CPU
+ISA_FLAGS = {"AVX512": ("-mavx512f", "-mfma"), "AVX2": ("-mavx2", "-mfma")}
+
+
+def kernel_isa() -> str | None:
+    """The instruction set the panel kernels are built for on this CPU (what PyTorch's own kernels use: it
+    checks the CPU, and the OS's support for the registers), None where neither AVX-512 nor AVX2 is there."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in ISA_FLAGS else None
+
+
+def other_isas() -> list[str]:
+    """The instruction sets this CPU also runs besides kernel_isa() (AVX2 on an AVX-512 CPU): the tests build
+    the kernels for them too, so that one CPU checks every build it can run."""
+    order = list(ISA_FLAGS)[::-1]  # AVX2, then AVX512: each CPU runs a prefix of it
+    native = kernel_isa()
+    return order[:order.index(native)] if native else []
+
+
+def isa_problem() -> str | None:
+    if kernel_isa() is None:
+        return f"needs AVX-512 or AVX2 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+    return None
+
+
 def unavailable_reason() -> str | None:
     """None when the kernel can run here, else why not (one line)."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return f"needs AVX-512 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+    if isa_problem():
+        return isa_problem()
     try:
         kernel()
     except Exception as exc:  # no compiler, no headers, a failed build: the layout is just not offered
@@ -74,18 +102,21 @@ def source_tag() -> str:
 def kernel_tag(source: Path) -> str:
     """Names a version of a panel kernel (its source, the shared header and the torch build): a new kernel is
     built again, and timings measured with an older one are not reused."""
-    code = source.read_bytes() + SHARED_HEADER.read_bytes()
+    code = source.read_bytes() + b"".join(header.read_bytes() for header in SHARED_HEADERS)
     return hashlib.sha256(code + torch.__version__.encode()).hexdigest()[:12]
 
 
-def build_extension(prefix: str, source: Path, extra_cflags: tuple[str, ...] = ()):
-    """A panel kernel compiled with torch's extension builder into $TORCH_EXTENSIONS_DIR (once per version,
-    then loaded from there)."""
+def build_extension(prefix: str, source: Path, extra_cflags: tuple[str, ...] = (), isa: str | None = None):
+    """A panel kernel compiled with torch's extension builder for this CPU's instruction set (or `isa`) into
+    $TORCH_EXTENSIONS_DIR (once per version and instruction set, then loaded from there)."""
     from torch.utils.cpp_extension import load
 
+    isa = isa or kernel_isa()
+    if isa is None:
+        raise RuntimeError(isa_problem())
     os.environ.setdefault("MAX_JOBS", "2")
-    return load(name=f"{prefix}_{kernel_tag(source)}", sources=[str(source)],
-                extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp", *extra_cflags], verbose=False)
+    return load(name=f"{prefix}_{isa.lower()}_{kernel_tag(source)}", sources=[str(source)],
+                extra_cflags=["-O3", *ISA_FLAGS[isa], "-fopenmp", *extra_cflags], verbose=False)
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:

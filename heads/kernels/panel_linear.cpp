@@ -1,10 +1,11 @@
-// y[M, N] = x[M, K] @ W^T for a few rows M, fp32, AVX-512 (the "panel" weight layout, heads/kernels/panel.py).
+// y[M, N] = x[M, K] @ W^T for a few rows M, fp32, AVX-512 or AVX2 (the "panel" weight layout, heads/kernels/panel.py).
 //
 // W is stored once as panels: wp[P][K][48] with wp[p][k][j] = W[48p + j][k] (zero past N). One panel is a
-// contiguous K x 48 block, streamed once per call while up to 8 rows of x are multiplied against it: each
-// k loads 3 weight vectors and broadcasts one x value per row into 3 accumulators, 24 of the 32 zmm
-// registers for 8 rows. The weights are read once whatever M is (as a GEMV does), so M = 8 costs little
-// more than M = 1; MKL's GEMM at small M does not get there. Panels are split over torch's threads.
+// contiguous K x 48 block, streamed once per call while a few rows of x are multiplied against it: each k loads 3
+// weight vectors and broadcasts one x value per row into 3 accumulators (AVX-512: the whole panel, 8 rows at a
+// time; AVX2: each half of it, 4 rows at a time, see panel_rows.h). The weights come from memory once whatever
+// M is (as a GEMV reads them), so M = 8 costs little more than M = 1; MKL's GEMM at small M does not get there.
+// Panels are split over torch's threads.
 #include <torch/extension.h>
 
 #include "panel_rows.h"
@@ -16,7 +17,7 @@ constexpr int PREFETCH = 32 * COLS;  // floats ahead: 32 k-steps (6 KB), into L2
 
 template <int ROWS>
 inline void panel_pass(const float* x, int64_t K, const float* panel, float* y, int64_t N, int64_t valid) {
-  __m512 acc[ROWS][VECS];
+  Vec acc[ROWS][VECS];
   zero<ROWS>(acc);
   for (int64_t k = 0; k < K; ++k) {
     const float* w = panel + k * COLS;
@@ -25,14 +26,17 @@ inline void panel_pass(const float* x, int64_t K, const float* panel, float* y, 
     _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + 16), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + 32), _MM_HINT_T1);
-    multiply_add<ROWS>(acc, x, K, k, _mm512_loadu_ps(w), _mm512_loadu_ps(w + 16), _mm512_loadu_ps(w + 32));
+    multiply_add<ROWS>(acc, x, K, k, simd::load(w), simd::load(w + LANES), simd::load(w + 2 * LANES));
   }
   store<ROWS>(acc, y, N, valid);
 }
 
 using Pass = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t);
 constexpr Pass PASSES[MAX_ROWS + 1] = {nullptr, panel_pass<1>, panel_pass<2>, panel_pass<3>, panel_pass<4>,
-                                       panel_pass<5>, panel_pass<6>, panel_pass<7>, panel_pass<8>};
+#if defined(__AVX512F__)
+                                       panel_pass<5>, panel_pass<6>, panel_pass<7>, panel_pass<8>
+#endif
+};
 
 }  // namespace
 
@@ -46,8 +50,8 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   const float* xs = x.data_ptr<float>();
   const float* ws = panels.data_ptr<float>();
   float* ys = y.data_ptr<float>();
-  for_each_pass(P, M, N, [&](int64_t p, int64_t r, int64_t rows, int64_t valid) {
-    PASSES[rows](xs + r * K, K, ws + p * K * COLS, ys + r * N + p * COLS, N, valid);
+  for_each_pass(P, M, N, [&](int64_t p, int64_t s, int64_t r, int64_t rows, int64_t valid) {
+    PASSES[rows](xs + r * K, K, ws + p * K * COLS + s * SPAN, ys + r * N + p * COLS + s * SPAN, N, valid);
   });
   return y;
 }

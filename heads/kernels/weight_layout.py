@@ -19,6 +19,10 @@ project's reference CPU (2 cores, AVX-512, fp32; every Linear of SmolLM2-135M in
     blocks, another day       14.8   15.1   15.9   17.5   25.7    (the same run as the next row)
     tiles (heads/kernels/tiles.py)    14.3   14.4   14.4   16.1   19.6    (the codes multiplied with AMX)
 
+The panel and blocks kernels are also built for AVX2 with FMA on CPUs without AVX-512 (heads/kernels/simd.h); on
+a 2-core AMD EPYC of the Zen 3 generation (AVX2, 6 December 2026, scripts/bench_layouts.py --rows 1 2 4 8 16):
+stock 42.0 68.3 74.5 65.6 79.4, panel 26.8 27.0 28.4 36.2 48.5, blocks 11.5 12.1 17.6 23.2 37.5 ms.
+
 The layouts (same values, same modules, same transformers code; only how F.linear reaches the weights):
   stock        as loaded (row-major [out, in])
   wide-column  Linear weights with out_features > in_features stored column-major (W^T contiguous):
@@ -27,7 +31,7 @@ The layouts (same values, same modules, same transformers code; only how F.linea
                copy packed for MKL's GEMM (torch.ops.mkl._mkl_linear), made once per row bucket (4, 8,
                16, 32, 64; rows are zero-padded up to the bucket) the first time the bucket is used:
                each bucket used costs one more copy of the weights in memory and ~0.1-1 s to pack
-  panel        every Linear runs 2..32 rows through a small AVX-512 kernel over a copy of its weight
+  panel        every Linear runs 2..32 rows through a small AVX-512 or AVX2 kernel over a copy of its weight
                laid out as 48-column panels, streamed once per call whatever the row count, and one
                row through the kernel or the stock GEMV, whichever this machine runs faster (measured once)
                (heads/kernels/panel.py; compiled on first use, one more copy of the weights in memory)
@@ -85,7 +89,7 @@ CHOICE_VERSION = 6  # cached choices from before the tiles layout existed are me
 
 
 def candidates(model: nn.Module) -> tuple[str, ...]:
-    """The layouts this model can run here (packed needs MKL, panel AVX-512 and a C++ compiler, blocks those
+    """The layouts this model can run here (packed needs MKL, panel AVX-512 or AVX2 and a C++ compiler, blocks those
     and a model loaded from a block-quantized GGUF file; all fp32 weights on a CPU)."""
     param = next(model.parameters())
     fp32_cpu = param.device.type == "cpu" and param.dtype == torch.float32
@@ -111,13 +115,13 @@ def apply_layout(model: nn.Module, layout: str = "auto", target=None) -> str:
         raise ValueError("weight_layout=packed needs fp32 weights on a CPU with MKL; use stock or wide-column")
     if layout == "panel" and layout not in candidates(model):
         why = panel_kernel.unavailable_reason() or "the model is not fp32 on a CPU"
-        raise ValueError(f"weight_layout=panel needs fp32 weights on a CPU with AVX-512 and a C++ compiler "
+        raise ValueError(f"weight_layout=panel needs fp32 weights on a CPU with AVX-512 or AVX2 and a C++ compiler "
                          f"({why}); use stock or packed")
     if layout == "blocks" and layout not in candidates(model):
         why = (panel_kernel.unavailable_reason() or blocks_kernel.unavailable_reason(model)
                or "no Linear weight equals a Q4_1/Q8_0 tensor of its GGUF file, or the model is not fp32 on a CPU")
         raise ValueError(f"weight_layout=blocks needs a target loaded from a block-quantized GGUF file, fp32 "
-                         f"on a CPU with AVX-512 and a C++ compiler ({why}); use panel or stock")
+                         f"on a CPU with AVX-512 or AVX2 and a C++ compiler ({why}); use panel or stock")
     if layout == "tiles" and layout not in candidates(model):
         why = (panel_kernel.unavailable_reason() or tiles_kernel.unavailable_reason(model)
                or "no Linear weight equals a Q4_1/Q8_0 tensor of its GGUF file, or the model is not fp32 on a CPU")

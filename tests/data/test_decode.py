@@ -185,7 +185,7 @@ def kernel_calls(monkeypatch) -> list[int]:
     from headway.heads.kernels import decode_attention as kernel_module
 
     if not kernel_module.available():
-        pytest.skip("the decode-attention kernel needs AVX-512 and a C++ compiler")
+        pytest.skip("the decode-attention kernel needs AVX-512 or AVX2 and a C++ compiler")
     calls, real = [], kernel_module.kernel().decode_attention
     spy = type("Spy", (), {"decode_attention": staticmethod(lambda *a: calls.append(a[1].shape[2]) or real(*a))})
     monkeypatch.setattr(kernel_module, "kernel", lambda: spy)

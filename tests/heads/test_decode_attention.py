@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from headway.heads.kernels import decode_attention as kernel_module
 from headway.heads.kernels.decode_attention import decode_attention
 
-pytestmark = pytest.mark.skipif(not kernel_module.available(), reason="needs AVX-512 and a C++ compiler")
+pytestmark = pytest.mark.skipif(not kernel_module.available(), reason="needs AVX-512 or AVX2 and a C++ compiler")
 
 
 def case(dtype, B=5, Hkv=3, G=3, D=64, T=37, room=11, seed=0):

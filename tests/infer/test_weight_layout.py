@@ -311,7 +311,7 @@ def test_panel_layout_keeps_outputs_and_survives_copy_and_pickle(target):
 
 
 def test_panel_layout_where_it_cannot_run_is_one_clear_error(target, monkeypatch):
-    monkeypatch.setattr(panel, "unavailable_reason", lambda: "needs AVX-512 (this CPU: AVX2)")
+    monkeypatch.setattr(panel, "unavailable_reason", lambda: "needs AVX-512 or AVX2 (this CPU: DEFAULT)")
     assert "panel" not in weight_layout.candidates(target.model)
     with pytest.raises(ValueError, match="weight_layout=panel needs .*AVX-512"):
         apply_layout(target.model, "panel")
