@@ -162,22 +162,24 @@ def compare_layouts(args, target, rows) -> int:
     last line: last layout / first."""
     from contextlib import nullcontext
 
+    from headway.heads.kernels.decode_attention import available as decode_attention_available
     from headway.heads.kernels.gemm import forced_backend
-    from headway.heads.kernels.weight_layout import apply_layout, candidates
+    from headway.heads.kernels.weight_layout import apply_layout
     from headway.train.data import decode as decode_module
     from headway.train.data.regenerate import GenerationSettings, regenerate
 
-    for entry in args.weight_layouts:  # every layout checked before any generation runs
+    for entry in args.weight_layouts:  # every layout checked (and its kernels built) before any generation runs
         layout, _, gemm = entry.partition(":")
         if entry in BF16_ENTRIES:
             continue
         try:
-            if layout not in ("auto",) + candidates(target.model):
-                apply_layout(target.model, layout, target)
+            apply_layout(target.model, layout, target)  # auto: the choice measured now if not cached, not in a run
             with forced_backend(gemm) if gemm and gemm != SDPA else nullcontext():
                 pass
         except ValueError as exc:  # why this target or machine cannot run it
             bc.bad_input(f"--weight-layouts {entry}: {exc}")
+    apply_layout(target.model, "stock")
+    decode_attention_available()  # its first use builds the kernel (~40 s once per machine): not in a timed run
     rates, first, names = [], None, []
     runs = [(entry, n) for n in args.examples for entry in args.weight_layouts]  # --examples: prompts stage only
     try:

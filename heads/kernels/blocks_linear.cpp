@@ -53,8 +53,12 @@ constexpr Pass PASSES[MAX_ROWS + 1] = {nullptr, panel_pass<1>, panel_pass<2>, pa
 #endif
 };
 
-// Rebuild the weights once for all rows above one pass (AVX2 only: measured there; AVX-512 passes take 8 rows)
-constexpr bool REBUILD_ONCE = LANES == 8;
+// With AVX2, rows beyond 2 are multiplied from the rebuilt scratch: a pass that rebuilds in registers holds 3 x
+// rows accumulators, 3 weights and the block's 6 scale and offset vectors, which spill out of the 16 registers
+// above 2 rows (a 1536 x 576 Linear of SmolLM2-135M: 40 us for 2 rows, 89 us for 4). AVX-512 keeps its passes
+// of 8 rows (measured there before; its 32 registers hold them).
+constexpr bool FROM_SCRATCH = LANES == 8;  // AVX2
+constexpr int64_t REGISTER_ROWS = 2;         // AVX2: rows a pass that rebuilds in registers takes
 
 // tile[r] += x[r, k0 + j] * w[j] over the BLOCK k-steps of a rebuilt block w [BLOCK][SPAN] (in L1)
 template <int ROWS>
@@ -118,7 +122,7 @@ torch::Tensor blocks_linear(const torch::Tensor& x, const torch::Tensor& q, cons
   const float* ms = m.data_ptr<float>();
   float* ys = y.data_ptr<float>();
   const int64_t scales = (K / BLOCK) * COLS;  // floats of d (and of m) per panel
-  if (REBUILD_ONCE && M > MAX_ROWS) {
+  if (FROM_SCRATCH && M > REGISTER_ROWS) {
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
       std::vector<float> w(BLOCK * SPAN), tile(M * SPAN);
       for (int64_t p = p0; p < p1; ++p)

@@ -19,7 +19,7 @@ constexpr int REGISTERS = 32;
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec broadcast(float x) { return _mm512_set1_ps(x); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec load(const at::BFloat16* p) {  // bf16 -> fp32: the bf16 bits are the float's high half
+inline Vec load(const c10::BFloat16* p) {  // bf16 -> fp32: the bf16 bits are the float's high half
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
@@ -38,7 +38,7 @@ inline void store_first(float* p, Vec v, int64_t n) {  // the first min(n, LANES
   else _mm512_mask_storeu_ps(p, first(n), v);
 }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline void store(at::BFloat16* p, Vec v) {  // fp32 -> bf16, round to nearest even (as torch's .to())
+inline void store(c10::BFloat16* p, Vec v) {  // fp32 -> bf16, round to nearest even (as torch's .to())
   __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
@@ -58,7 +58,7 @@ constexpr int REGISTERS = 16;
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec broadcast(float x) { return _mm256_set1_ps(x); }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec load(const at::BFloat16* p) {
+inline Vec load(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
@@ -84,7 +84,7 @@ inline void store_first(float* p, Vec v, int64_t n) {
   else _mm256_maskstore_ps(p, first(n), v);
 }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline void store(at::BFloat16* p, Vec v) {
+inline void store(c10::BFloat16* p, Vec v) {
   __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
