@@ -8,12 +8,13 @@
 // The codes are stored as panels like the panel layout's weights: q[P][K][48] int8 with q[p][k][j] =
 // q(48p + j, k) (zero past N), and the scales/offsets as s[P][K/32][48] fp32. One panel streams 48 bytes per
 // k-step instead of 192 (fp32), so a decode step reads ~1.2 bytes per weight: the weights of a small model
-// stay in the last-level cache, and M rows cost one decode of each weight vector per pass of rows (8 with
-// AVX-512, 4 with AVX2). With AVX2, more rows than one pass takes (a tree of 8 or 16 tokens) first rebuild
-// each block of 32 k-steps of a span once into an fp32 scratch in L1 that every group of rows then multiplies
-// (rebuilt_once): rebuilding is most of a pass's cost there (on a 2-core AMD EPYC of the Zen 3 generation all
-// of SmolLM2-135M's Linears took 11.9 ms for 1 row, 15.2 for 4 and 28.1 for 8 when each group of 4 rebuilt
-// the weights itself). The sums are the same, in the same order.
+// stay in the last-level cache, and M rows cost one decode of each weight vector per pass of rows (AVX-512:
+// passes of 8 rows). With AVX2 a pass rebuilds in registers for at most 2 rows (more would spill the 16
+// registers, see REGISTER_ROWS); more rows (a tree) first rebuild each block of 32 k-steps of a span once into
+// an fp32 scratch in L1 that every group of 4 rows then multiplies (rebuilt_once): rebuilding is most of a
+// pass's cost there (on a 2-core AMD EPYC of the Zen 3 generation all of SmolLM2-135M's Linears took 11.9 ms
+// for 1 row, 15.2 for 4 and 28.1 for 8 when each group of 4 rebuilt the weights itself; 22.8 for 8 from the
+// scratch). The sums are the same, in the same order.
 #include <torch/extension.h>
 
 #include <vector>

@@ -21,7 +21,7 @@ project's reference CPU (2 cores, AVX-512, fp32; every Linear of SmolLM2-135M in
 
 The panel and blocks kernels are also built for AVX2 with FMA on CPUs without AVX-512 (heads/kernels/simd.h); on
 a 2-core AMD EPYC of the Zen 3 generation (AVX2, 6 December 2026, scripts/bench_layouts.py --rows 1 2 4 8 16):
-stock 42.0 68.3 74.5 65.6 79.4, panel 26.8 27.0 28.4 36.2 48.5, blocks 11.5 12.1 17.6 23.2 37.5 ms.
+stock 40.7 70.6 72.8 75.8 88.5, panel 27.2 27.0 28.0 34.9 53.1, blocks 11.3 11.8 16.8 22.8 37.0 ms.
 
 The layouts (same values, same modules, same transformers code; only how F.linear reaches the weights):
   stock        as loaded (row-major [out, in])
