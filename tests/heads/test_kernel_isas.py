@@ -9,8 +9,22 @@ import torch.nn.functional as F
 
 from headway.heads.kernels import blocks, decode_attention, panel
 
-pytestmark = pytest.mark.skipif(not panel.other_isas(),
-                                reason=f"this CPU runs no other build than its own ({panel.kernel_isa()})")
+OTHER_BUILDS = pytest.mark.skipif(not panel.other_isas(),
+                                  reason=f"this CPU runs no other build than its own ({panel.kernel_isa()})")
+
+
+@pytest.mark.parametrize("capability, native, others", [("AVX512", "AVX512", ["AVX2"]), ("AVX2", "AVX2", []),
+                                                         ("DEFAULT", None, [])])
+def test_kernels_are_built_for_what_pytorch_runs_here(capability, native, others, monkeypatch):
+    """PyTorch's CPU capability (the CPU's and the OS's say) picks the build; an AVX-512 CPU also checks AVX2's;
+    a CPU with neither gets one reason, and no layout or kernel is offered."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert panel.kernel_isa() == native and panel.other_isas() == others
+    if native is None:
+        assert panel.unavailable_reason() == "needs AVX-512 or AVX2 (this CPU: DEFAULT)"
+        assert blocks.unavailable_reason() == panel.unavailable_reason()
+        with pytest.raises(RuntimeError, match="needs AVX-512 or AVX2"):
+            panel.build_extension("headway_panel", panel.SOURCE)
 
 SHAPES = [(576, 576), (1536, 576), (50, 64), (100, 96), (20, 32)]  # N, K: whole panels, a half panel, less
 ROWS = [1, 2, 3, 4, 5, 8, 13, 32]  # one pass, several, and rows left over
@@ -26,6 +40,7 @@ def close_to_fp64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> N
     torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
 
 
+@OTHER_BUILDS
 def test_panel_kernel(isa):
     kernel = panel.build_extension("headway_panel", panel.SOURCE, isa=isa)
     g = torch.Generator().manual_seed(0)
@@ -37,6 +52,7 @@ def test_panel_kernel(isa):
             close_to_fp64(kernel.panel_linear(x, panels, N), x, weight)
 
 
+@OTHER_BUILDS
 def test_blocks_kernel(isa):
     """Q4_1-like codes, f16 scales and fp32 offsets: the weights the kernel rebuilds are the dequantizer's."""
     kernel = panel.build_extension("headway_blocks", blocks.SOURCE, ("-ffp-contract=off",), isa=isa)
@@ -52,6 +68,7 @@ def test_blocks_kernel(isa):
             close_to_fp64(kernel.blocks_linear(x, *parts, N), x, weight)
 
 
+@OTHER_BUILDS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_kernel(isa, dtype):
     """One decode step over a growing cache's strided views with left pads, against fp64 SDPA."""
