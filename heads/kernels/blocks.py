@@ -59,8 +59,8 @@ class BlockWeights:
 
 def unavailable_reason(model: nn.Module | None = None) -> str | None:
     """None when the layout can run here (for `model`: loaded from a GGUF file), else why not (one line)."""
-    if isa_problem():
-        return isa_problem()
+    if problem := isa_problem():
+        return problem
     if model is not None and gguf_source(model) is None:
         return "the target was not loaded from a GGUF file"
     try:

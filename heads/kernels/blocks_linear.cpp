@@ -127,11 +127,10 @@ torch::Tensor blocks_linear(const torch::Tensor& x, const torch::Tensor& q, cons
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
       std::vector<float> w(BLOCK * SPAN), tile(M * SPAN);
       for (int64_t p = p0; p < p1; ++p)
-        for (int64_t s = 0; s < SPANS; ++s) {
-          const int64_t at = s * SPAN, valid = std::min<int64_t>(SPAN, N - p * COLS - at);
-          if (valid <= 0) break;
+        for (int64_t s = 0; s < SPANS && span_outputs(N, p, s) > 0; ++s) {
+          const int64_t at = s * SPAN;
           rebuilt_once(xs, M, K, qs + p * K * COLS + at, ds + p * scales + at, ms + p * scales + at,
-                       ys + p * COLS + at, N, valid, w.data(), tile.data());
+                       ys + p * COLS + at, N, span_outputs(N, p, s), w.data(), tile.data());
         }
     });
     return y;

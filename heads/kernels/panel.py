@@ -73,8 +73,8 @@ def isa_problem() -> str | None:
 
 def unavailable_reason() -> str | None:
     """None when the kernel can run here, else why not (one line)."""
-    if isa_problem():
-        return isa_problem()
+    if problem := isa_problem():
+        return problem
     try:
         kernel()
     except Exception as exc:  # no compiler, no headers, a failed build: the layout is just not offered

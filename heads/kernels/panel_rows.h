@@ -56,18 +56,21 @@ inline void store(const Vec (&acc)[ROWS][VECS], float* y, int64_t N, int64_t val
     }
 }
 
+// real outputs in span s of panel p (the last panel may end early; 0 or less: none), which starts at feature
+// p * COLS + s * SPAN of N
+inline int64_t span_outputs(int64_t N, int64_t p, int64_t s) {
+  return std::min<int64_t>(SPAN, N - p * COLS - s * SPAN);
+}
+
 // pass(p, s, r, rows, valid) for every panel p of P, every span s of it that holds real outputs and every group
-// of at most MAX_ROWS rows starting at r, panels split over torch's threads; valid = real outputs in the span,
-// which starts at feature p * COLS + s * SPAN
+// of at most MAX_ROWS rows starting at r, panels split over torch's threads; valid = span_outputs
 template <typename Pass>
 inline void for_each_pass(int64_t P, int64_t M, int64_t N, const Pass& pass) {
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t s = 0; s < SPANS; ++s) {
-        const int64_t valid = std::min<int64_t>(SPAN, N - p * COLS - s * SPAN);
-        if (valid <= 0) break;
-        for (int64_t r = 0; r < M; r += MAX_ROWS) pass(p, s, r, std::min<int64_t>(MAX_ROWS, M - r), valid);
-      }
+      for (int64_t s = 0; s < SPANS && span_outputs(N, p, s) > 0; ++s)
+        for (int64_t r = 0; r < M; r += MAX_ROWS)
+          pass(p, s, r, std::min<int64_t>(MAX_ROWS, M - r), span_outputs(N, p, s));
   });
 }
 
