@@ -9,6 +9,7 @@ on the same prompts, settings and batch size, in one run; or the HF path under s
     python scripts/bench_generate.py --stage prompts --weight-layouts bf16:hf-attention bf16   # writing prompts
     python scripts/bench_generate.py --stage prompts --weight-layouts bf16 --examples 0 3   # examples shown or not
     python scripts/bench_generate.py --weight-layouts bf16:sdpa bf16 bf16:sdpa bf16   # decode-step attention kernel
+    python scripts/bench_generate.py --stage prompts --weight-layouts auto:padded auto --examples 3   # grouped prefill
 
 The prompts are the default dataset's written ones (the first --prompts), answered greedily up to
 --max-new-tokens. Each backend writes its rows to a temp folder through the same regenerate() the dataset
@@ -20,7 +21,8 @@ without one, this machine's measured choice. `bf16` in place of a layout: the bu
 of the target generates, stock layout); `bf16:hf-attention`: the same with transformers' own SDPA attention instead
 of the copy's (train/data/decode.py, sdpa_packed_at_decode); `bf16:sdpa`: the copy's attention through PyTorch's SDPA
 instead of heads/kernels/decode_attention at a decode step (`auto:sdpa`, `blocks:sdpa`: the same for the fp32
-target in a layout). `--stage prompts` times the other stage of the default
+target in a layout); `auto:padded`, `bf16:padded`: every prompt prefilled in one forward left-padded to the
+longest, instead of the shared prefix once and length groups (train/data/decode.py). `--stage prompts` times the other stage of the default
 set's build instead: --prompts candidates of one category written by the target (the default dataset's
 self_prompt_* settings: temperature 1, top-p 0.95, up to 96 tokens), one batch per --batch-size, each layout once
 per --examples count (written prompts shown first, each candidate its own draw; 0: the hint alone, rows of one
@@ -116,8 +118,9 @@ def main(argv=None) -> int:
                 continue
             if layout not in LAYOUTS:
                 bc.bad_input(f"--weight-layouts {entry}: use one of {', '.join(LAYOUTS)}")
-            if gemm and gemm not in BACKENDS + (SDPA,):
-                bc.bad_input(f"--weight-layouts {entry}: after ':' name the GEMM ({', '.join(BACKENDS)}) or {SDPA}")
+            if gemm and gemm not in BACKENDS + (SDPA, PADDED):
+                bc.bad_input(f"--weight-layouts {entry}: after ':' name the GEMM ({', '.join(BACKENDS)}), {SDPA} "
+                             f"or {PADDED}")
     elif args.stage == "prompts":
         bc.bad_input("--stage prompts compares --weight-layouts (the vLLM comparison answers prompts)")
     else:
@@ -154,7 +157,8 @@ def main(argv=None) -> int:
 
 BF16 = "bf16"  # a --weight-layouts entry: generation precision bf16 instead of a layout
 SDPA = "sdpa"  # after a layout or bf16: a decode step's attention through PyTorch's SDPA, not the kernel
-BF16_ENTRIES = (BF16, "bf16:hf-attention", f"bf16:{SDPA}")  # ... with transformers' own attention, with SDPA
+PADDED = "padded"  # after a layout or bf16: the prefill as one forward left-padded to the longest prompt
+BF16_ENTRIES = (BF16, "bf16:hf-attention", f"bf16:{SDPA}", f"bf16:{PADDED}")  # ... HF's attention, SDPA, padded
 
 
 def compare_layouts(args, target, rows) -> int:
@@ -174,13 +178,14 @@ def compare_layouts(args, target, rows) -> int:
             continue
         try:
             apply_layout(target.model, layout, target)  # auto: the choice measured now if not cached, not in a run
-            with forced_backend(gemm) if gemm and gemm != SDPA else nullcontext():
+            with forced_backend(gemm) if gemm and gemm not in (SDPA, PADDED) else nullcontext():
                 pass
         except ValueError as exc:  # why this target or machine cannot run it
             bc.bad_input(f"--weight-layouts {entry}: {exc}")
     apply_layout(target.model, "stock")
     decode_attention_available()  # its first use builds the kernel (~40 s once per machine): not in a timed run
     rates, first, names = [], None, []
+    forward_cost = decode_module.FORWARD_COST
     runs = [(entry, n) for n in args.examples for entry in args.weight_layouts]  # --examples: prompts stage only
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -193,8 +198,9 @@ def compare_layouts(args, target, rows) -> int:
                                               precision="bf16" if bf16 else "fp32")
                 decode_module.GROUPED_DECODE_ATTENTION = entry != "bf16:hf-attention"
                 decode_module.DECODE_ATTENTION_KERNEL = gemm != SDPA
+                decode_module.FORWARD_COST = 10 ** 9 if gemm == PADDED else forward_cost
                 started = time.perf_counter()
-                with forced_backend(gemm) if gemm and gemm != SDPA and not bf16 else nullcontext():
+                with forced_backend(gemm) if gemm and gemm not in (SDPA, PADDED) and not bf16 else nullcontext():
                     if args.stage == "prompts":
                         tokens, texts = write_prompts(target, args, settings, examples)
                     else:
@@ -215,6 +221,7 @@ def compare_layouts(args, target, rows) -> int:
     finally:
         decode_module.GROUPED_DECODE_ATTENTION = True  # the copy's own attention again, whatever happened
         decode_module.DECODE_ATTENTION_KERNEL = True
+        decode_module.FORWARD_COST = forward_cost
     if args.stage == "prompts":
         print(f"{args.prompts} prompts written, batch {args.batch_size}, up to 96 tokens, temperature 1, top-p 0.95")
     else:

@@ -1,6 +1,8 @@
 """Batched decoding for data generation: the same tokens as HF generate, and captured hidden states equal
 to a teacher-forced forward over the training ids."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -49,11 +51,15 @@ def left_padded(prompts, pad):
 
 # complete rows leave the batch at once (0), once half of it (0.5), or only when all are complete (1)
 COMPACTIONS = [0.0, 0.5, 1.0]
+# the prefill: the shared prefix once and every length its own group (0), or one left-padded forward (huge)
+FORWARD_COSTS = [0, 10 ** 9]
 
 
+@pytest.mark.parametrize("forward_cost", FORWARD_COSTS)
 @pytest.mark.parametrize("compact_at", COMPACTIONS)
-def test_greedy_decoding_equals_hf_generate_row_by_row(target, prompts, compact_at, monkeypatch):
+def test_greedy_decoding_equals_hf_generate_row_by_row(target, prompts, compact_at, forward_cost, monkeypatch):
     monkeypatch.setattr(decode_module, "COMPACT_AT", compact_at)
+    monkeypatch.setattr(decode_module, "FORWARD_COST", forward_cost)
     stop = frequent_stop(target, prompts)
     got = decode(target.model, prompts, MAX_NEW, stop, target.tokenizer.pad_token_id)
     assert len(set(map(len, got.tokens))) > 1  # rows left the batch at different steps
@@ -64,9 +70,11 @@ def test_greedy_decoding_equals_hf_generate_row_by_row(target, prompts, compact_
         assert finished == (tokens[-1] in stop)
 
 
+@pytest.mark.parametrize("forward_cost", FORWARD_COSTS)
 @pytest.mark.parametrize("compact_at", COMPACTIONS)
-def test_captured_hidden_states_equal_a_teacher_forced_forward(target, prompts, compact_at, monkeypatch):
+def test_captured_hidden_states_equal_a_teacher_forced_forward(target, prompts, compact_at, forward_cost, monkeypatch):
     monkeypatch.setattr(decode_module, "COMPACT_AT", compact_at)
+    monkeypatch.setattr(decode_module, "FORWARD_COST", forward_cost)
     stop = frequent_stop(target, prompts)
     glue = target.tokenizer("\n", add_special_tokens=False)["input_ids"]
     captured = {}
@@ -105,6 +113,42 @@ def test_one_shared_prompt_is_prefilled_once_with_the_same_result(target, prompt
 
     assert run([prompts[2]] * 3, 0.0) == run([prompts[2]], 0.0) * 3  # one row: no sharing
     assert len({tuple(t) for t in run([prompts[2]] * 4, 1.0)}) > 1  # rows sample on their own
+
+
+def test_prefill_feeds_the_shared_prefix_once_and_pads_each_group_to_its_own_longest(target, prompts, monkeypatch):
+    fed = []  # input_ids shapes of the model's forwards
+    forward = target.model.forward
+    monkeypatch.setattr(target.model, "forward", lambda *a, **k: fed.append(k["input_ids"].shape) or forward(*a, **k))
+    rows = prompts[:1] + prompts  # lengths differ; all start with the chat template's system turn
+
+    def prefill(forward_cost):
+        monkeypatch.setattr(decode_module, "FORWARD_COST", forward_cost)
+        fed.clear()
+        return decode(target.model, rows, 1, [], target.tokenizer.pad_token_id).tokens
+
+    one_forward = prefill(10 ** 9)
+    assert fed == [(len(rows), max(map(len, rows)))]  # left-padded to the longest
+    grouped = prefill(0)
+    shared = decode_module.shared_prefix(rows)
+    assert shared > 0 and fed[0] == (1, shared)
+    assert sum(b * w for b, w in fed[1:]) == sum(len(p) - shared for p in rows)  # no pads fed
+    assert len(fed) - 1 == len(set(map(len, rows)))  # a group per length at no cost per forward
+    assert grouped == one_forward
+
+
+@pytest.mark.parametrize("forward_cost", [0, 5, 20, 1000])
+def test_prefill_groups_pad_least(forward_cost, monkeypatch):
+    """The grouping is optimal: it costs what the best split of the sorted lengths costs."""
+    monkeypatch.setattr(decode_module, "FORWARD_COST", forward_cost)
+    lengths = torch.tensor([9, 3, 40, 12, 41, 3, 30, 7])
+    groups = decode_module.prefill_groups(lengths)
+    assert sorted(torch.cat(groups).tolist()) == list(range(len(lengths)))
+    got = sum(len(g) * int(lengths[g].max()) + forward_cost for g in groups)
+    ranked = sorted(lengths.tolist())
+    splits = (cuts for k in range(len(ranked)) for cuts in itertools.combinations(range(1, len(ranked)), k))
+    best = min(sum((end - start) * ranked[end - 1] + forward_cost
+                   for start, end in zip((0,) + cuts, cuts + (len(ranked),))) for cuts in splits)
+    assert got == best
 
 
 def test_growing_cache_layer_holds_what_dynamic_cache_holds():

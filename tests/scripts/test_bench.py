@@ -253,6 +253,18 @@ def test_bench_generate_writes_prompts_with_and_without_examples(script, capsys)
     assert lines[-1].startswith("stock with 2 examples / stock with 0 examples tokens/s: ")
 
 
+def test_bench_generate_times_the_padded_prefill_against_the_grouped_one(script, capsys):
+    from headway.train.data import decode as decode_module
+
+    cost = decode_module.FORWARD_COST
+    lines = run(script("bench_generate"), ["--target", "tiny-random", "--prompts", "3", "--batch-size", "3",
+                                           "--stage", "prompts", "--weight-layouts", "stock:padded", "stock",
+                                           "--examples", "2"], capsys)
+    assert lines[0].startswith("stock:padded: ") and lines[1].startswith("stock: ")
+    assert lines[-1].startswith("stock / stock:padded tokens/s: ")
+    assert decode_module.FORWARD_COST == cost  # the build's grouping again after
+
+
 def test_bench_generate_refuses_examples_outside_the_prompt_stage(script, capsys):
     with pytest.raises(SystemExit) as exit_:
         script("bench_generate").main(["--target", "tiny-random", "--weight-layouts", "stock", "--examples", "3"])
@@ -261,7 +273,7 @@ def test_bench_generate_refuses_examples_outside_the_prompt_stage(script, capsys
 
 @pytest.mark.parametrize("layout,why", [("tiles", "tiles: weight_layout=tiles needs a target"),
                                         ("nosuch", "nosuch: use one of auto, stock"),
-                                        ("stock:blas", "stock:blas: after ':' name the GEMM (mkl, onednn) or sdpa")])
+                                        ("stock:blas", "stock:blas: after ':' name the GEMM (mkl, onednn), sdpa or padded")])
 def test_bench_generate_refuses_a_layout_before_generating(script, capsys, layout, why):
     with pytest.raises(SystemExit) as exit_:
         script("bench_generate").main(["--target", "tiny-random", "--prompts", "2", "--weight-layouts", "stock", layout])
