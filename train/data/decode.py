@@ -366,11 +366,14 @@ class _Decoder:
         out = self.model(input_ids=ids.to(self.device), attention_mask=self.mask.to(self.device),
                          position_ids=positions.to(self.device), cache=self.cache, use_cache=True,
                          output_hidden_states=self.tap is not None, logits_to_keep=1)
+        self.keep_states(out, self.alive[:, None], slots)
+        return out.logits[:, -1].float()
+
+    def keep_states(self, out, rows: Tensor, slots: Tensor) -> None:
+        """The tap's hidden states of positions [A, Q] into rows [A, 1] at sequence positions slots [A, Q]."""
         if self.tap:
-            rows = self.alive[:, None].expand_as(slots)
             for i in self.tap.layers:
                 self.hidden[i][rows, slots] = out.hidden_states[i].to(self.hidden[i].dtype).cpu()
-        return out.logits[:, -1].float()
 
     def prefill(self) -> Tensor:
         """Feed every prompt; -> each row's last logits [B, V]."""
@@ -432,10 +435,7 @@ class _Decoder:
         out = self.model(input_ids=self.ids[rows, -w:].to(self.device), attention_mask=mask.to(self.device),
                          position_ids=positions.to(self.device), cache=cache, use_cache=True,
                          output_hidden_states=self.tap is not None, logits_to_keep=1)
-        if self.tap:
-            slots = torch.where(own_mask.bool(), positions, self.dump)
-            for i in self.tap.layers:
-                self.hidden[i][rows[:, None], slots] = out.hidden_states[i].to(self.hidden[i].dtype).cpu()
+        self.keep_states(out, rows[:, None], torch.where(own_mask.bool(), positions, self.dump))
         return cache, out.logits[:, -1].float()
 
     def step(self, new: Tensor) -> Tensor:
