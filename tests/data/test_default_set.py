@@ -60,6 +60,53 @@ def test_generation_fills_the_cache_training_reads(target, tmp_path, monkeypatch
     assert report["captured"] == 10 and report["sampled"] == sum(r["sampled"] for r in rows)
 
 
+def built_rows(**regen) -> tuple[dict, dict]:
+    """The complete default dataset of these settings -> ({id: row}, its report)."""
+    from headway.train.data.default_set import default_dataset_path, default_prompts
+    from headway.train.data.config import RegenConfig
+
+    cfg = RegenConfig(**{**REGEN, "self_prompts": 0, **regen})
+    path = default_dataset_path(cfg, default_prompts(cfg.num_prompts))
+    report = json.loads(path.with_name(path.name + ".report.json").read_text())
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}, report
+
+
+def test_a_larger_build_answers_only_the_prompts_earlier_builds_did_not(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    build_datasets(default_cfg(tmp_path, num_prompts=6, self_prompts=0), target.tokenizer, 96)
+    small, _ = built_rows(num_prompts=6)
+    build_datasets(default_cfg(tmp_path, num_prompts=9, self_prompts=0), target.tokenizer, 96)
+    large, report = built_rows(num_prompts=9)
+    assert report["reused"] == 6 and report["written"] == 3 and report["resumed"] == 0
+    assert all(large[i] == row for i, row in small.items())  # taken as they were, sampled ones included
+    # another seed writes other replies: nothing is reused across it
+    build_datasets(default_cfg(tmp_path, num_prompts=9, self_prompts=0, seed=1), target.tokenizer, 96)
+    assert built_rows(num_prompts=9, seed=1)[1]["reused"] == 0
+    build_datasets(default_cfg(tmp_path, num_prompts=7, self_prompts=0, reuse_answers=False), target.tokenizer, 96)
+    assert built_rows(num_prompts=7)[1]["written"] == 7
+
+
+def test_only_rows_answered_as_this_build_would_are_reused(tmp_path):
+    from headway.train.data.reuse import reusable_rows
+
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    prov = {"target": "t", "seed": 0, "backend": "hf"}
+    earlier = {"id": "a", "messages": turns + [{"role": "assistant", "content": "Hello"}], "provenance": prov}
+    rows = [{"id": "a", "turns": turns}]
+
+    def reused(row, **provenance):
+        path = tmp_path / "default-t-0.jsonl"
+        path.write_text(json.dumps(row) + "\nnot json\n")
+        return reusable_rows(rows, {**prov, **provenance}, [path])
+
+    assert reused(earlier) == [earlier]
+    assert reused(earlier, backend="vllm") == [earlier]  # the backend changes speed, not what is written
+    assert reused(earlier, seed=1) == []
+    assert reused({**earlier, "id": "b"}) == []
+    other_system = [{"role": "system", "content": "Be long."}] + earlier["messages"][1:]
+    assert reused({**earlier, "messages": other_system}) == []
+
+
 def test_no_capture_when_another_model_writes_the_data(target, tmp_path, monkeypatch):
     monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
     other = load_target({"path": "tiny-random", "name": "tiny-random", "seed": 1})

@@ -27,7 +27,9 @@ from headway.heads.target import cache_root
 from headway.train.data.config import DataError, RegenConfig
 from headway.train.data.decode import generating, resolve_precision
 from headway.train.data.regenerate import (HOW_NOT_WHAT, GenerationSettings, JsonlSink, ProgressBar, content_settings,
-                                           done_ids, prompt_rows, regenerate, stop_token_ids, unwritable)
+                                           done_ids, prompt_rows, provenance_of, regenerate, stop_token_ids,
+                                           unwritable)
+from headway.train.data.reuse import earlier_builds, reusable_rows
 from headway.train.data.self_prompts import (SelfPromptSettings, candidate_rows, example_pools, select_prompts,
                                              write_candidates)
 from headway.train.data.vllm_decode import open_decoder
@@ -124,10 +126,13 @@ def _build(regen, prompts, final, partial, started, target, capture, decoder) ->
     log.info("building the default dataset (%d prompts, %d self-written, answered by %s, once) into %s%s",
              len(rows), len(own), regen.target_name, final,
              f", hidden states into {capture.directory}" if capture and not decoder else "")
+    reused = reuse_answers(regen, rows, target, final, partial)
     stats = regenerate(rows, target, partial, settings_of(regen), capture=capture, decoder=decoder)
     if done_ids(partial) != {r["id"] for r in rows}:
         raise DataError(f"default dataset build incomplete in {partial}: run again to resume")
-    stats.update(conversations=len(rows), self_written=len(own), seconds=round(time.perf_counter() - started, 1),
+    stats["resumed"] -= reused
+    stats.update(reused=reused, conversations=len(rows), self_written=len(own),
+                 seconds=round(time.perf_counter() - started, 1),
                  target=regen.target_name, settings=asdict(settings_of(regen)))
     try:  # how it was built (read by reports), then the data itself
         write_json_atomic(report_path(final), stats)
@@ -136,6 +141,24 @@ def _build(regen, prompts, final, partial, started, target, capture, decoder) ->
         raise unwritable(final, exc) from None
     log.info("default dataset ready: %s (%s)", final, stats)
     return stats
+
+
+def reuse_answers(regen: RegenConfig, rows: list[dict], target, final: Path, partial: Path) -> int:
+    """Copy into the partial build the rows earlier complete builds answered exactly as this one would
+    (train/data/reuse.py); -> how many. Rows already in the partial (a resumed build) are left alone."""
+    if not regen.reuse_answers:
+        return 0
+    sink = JsonlSink(partial)
+    try:
+        todo = [r for r in rows if r["id"] not in sink.done]
+        found = reusable_rows(todo, provenance_of(target, settings_of(regen), "hf"), earlier_builds(final))
+        sink.write(found)
+    finally:
+        sink.close()
+    if found:
+        log.info("reusing %d answers of earlier default dataset builds (same prompts and generation settings)",
+                 len(found))
+    return len(found)
 
 
 def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: Path, decoder=None) -> list[dict]:

@@ -209,9 +209,7 @@ def _regenerate(rows, todo, target, sink, settings, progress, capture, decoder) 
     from headway.train.data.capture import CaptureSession
 
     session = CaptureSession(capture, target) if capture else None
-    provenance = {"target": target.spec.name, "target_path": target.spec.path, "regen_version": REGEN_VERSION,
-                  **content_settings(settings),
-                  "backend": "vllm" if decoder else "hf"}
+    provenance = provenance_of(target, settings, "vllm" if decoder else "hf")
     stats = {"written": 0, "resumed": len(rows) - len(todo), "unfinished_turns": 0, "generated_tokens": 0,
              "sampled": 0, "captured": 0, "backend": "vllm" if decoder else "hf"}
     bar = ProgressBar(len(rows), stats["resumed"], "answering prompts", progress)
@@ -232,6 +230,12 @@ def _regenerate(rows, todo, target, sink, settings, progress, capture, decoder) 
     bar.close()
     stats["captured"] = session.captured if session else 0
     return stats
+
+
+def provenance_of(target, settings: GenerationSettings, backend: str) -> dict:
+    """What every written row records of how it was answered."""
+    return {"target": target.spec.name, "target_path": target.spec.path, "regen_version": REGEN_VERSION,
+            **content_settings(settings), "backend": backend}
 
 
 def _replay(target, chunk: list[dict], settings: GenerationSettings, seed: int, sampled: bool, session, decoder):
