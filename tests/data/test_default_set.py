@@ -82,12 +82,29 @@ def test_a_larger_build_answers_only_the_prompts_earlier_builds_did_not(target, 
     # another seed writes other replies: nothing is reused across it
     build_datasets(default_cfg(tmp_path, num_prompts=9, self_prompts=0, seed=1), target.tokenizer, 96)
     assert built_rows(num_prompts=9, seed=1)[1]["reused"] == 0
-    build_datasets(default_cfg(tmp_path, num_prompts=7, self_prompts=0, reuse_answers=False), target.tokenizer, 96)
+    build_datasets(default_cfg(tmp_path, num_prompts=7, self_prompts=0, reuse=False), target.tokenizer, 96)
     assert built_rows(num_prompts=7)[1]["written"] == 7
 
 
+def test_a_larger_build_writes_only_the_candidates_earlier_builds_did_not(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+
+    def candidates() -> dict[str, dict]:  # the largest build's, by id
+        files = (tmp_path / "cache" / "data").glob("*-candidates.jsonl")
+        rows = max(([json.loads(line) for line in f.read_text().splitlines()] for f in files), key=len)
+        return {r["id"]: r for r in rows}
+
+    build_datasets(default_cfg(tmp_path, num_prompts=4, self_prompts=1), target.tokenizer, 96)
+    small = candidates()  # 2 per category (1 kept x oversample 1.5), kept and dropped
+    build_datasets(default_cfg(tmp_path, num_prompts=4, self_prompts=2), target.tokenizer, 96)
+    large = candidates()
+    assert len(small) == 2 * len(CATEGORIES) and len(large) == 3 * len(CATEGORIES)
+    # the same texts: written again, in batches of 3 instead of 2, they would be other draws
+    assert all(large[i]["prompt"] == row["prompt"] for i, row in small.items())
+
+
 def test_only_rows_answered_as_this_build_would_are_reused(tmp_path):
-    from headway.train.data.reuse import reusable_rows
+    from headway.train.data.reuse import reusable_answers
 
     turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     prov = {"target": "t", "seed": 0, "backend": "hf"}
@@ -97,7 +114,7 @@ def test_only_rows_answered_as_this_build_would_are_reused(tmp_path):
     def reused(row, **provenance):
         path = tmp_path / "default-t-0.jsonl"
         path.write_text(json.dumps(row) + "\nnot json\n")
-        return reusable_rows(rows, {**prov, **provenance}, [path])
+        return reusable_answers(rows, {**prov, **provenance}, [path])
 
     assert reused(earlier) == [earlier]
     assert reused(earlier, backend="vllm") == [earlier]  # the backend changes speed, not what is written

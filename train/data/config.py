@@ -34,7 +34,7 @@ class RegenConfig:
     self_prompt_temperature: float = 1.0
     self_prompt_top_p: float = 0.95
     self_prompt_examples: int = 0  # written prompts of the category shown before each one (style steering)
-    reuse_answers: bool = True  # take rows earlier builds answered with the same prompts and settings (speed only)
+    reuse: bool = True  # take the candidates and answers earlier builds wrote with the same settings (speed only)
 
 
 @dataclass

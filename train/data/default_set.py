@@ -29,7 +29,7 @@ from headway.train.data.decode import generating, resolve_precision
 from headway.train.data.regenerate import (HOW_NOT_WHAT, GenerationSettings, JsonlSink, ProgressBar, content_settings,
                                            done_ids, prompt_rows, provenance_of, regenerate, stop_token_ids,
                                            unwritable)
-from headway.train.data.reuse import earlier_builds, reusable_rows
+from headway.train.data.reuse import earlier_builds, reusable_answers, reusable_candidates
 from headway.train.data.self_prompts import (SelfPromptSettings, candidate_rows, example_pools, select_prompts,
                                              write_candidates)
 from headway.train.data.vllm_decode import open_decoder
@@ -146,12 +146,12 @@ def _build(regen, prompts, final, partial, started, target, capture, decoder) ->
 def reuse_answers(regen: RegenConfig, rows: list[dict], target, final: Path, partial: Path) -> int:
     """Copy into the partial build the rows earlier complete builds answered exactly as this one would
     (train/data/reuse.py); -> how many. Rows already in the partial (a resumed build) are left alone."""
-    if not regen.reuse_answers:
+    if not regen.reuse:
         return 0
     sink = JsonlSink(partial)
     try:
         todo = [r for r in rows if r["id"] not in sink.done]
-        found = reusable_rows(todo, provenance_of(target, settings_of(regen), "hf"), earlier_builds(final))
+        found = reusable_answers(todo, provenance_of(target, settings_of(regen), "hf"), earlier_builds(final))
         sink.write(found)
     finally:
         sink.close()
@@ -173,11 +173,15 @@ def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: P
 
     sink = JsonlSink(done.with_name(done.name + ".partial"))
     rows = candidate_rows(settings)
+    pools = example_pools([p for p in fixed if p["source"] == "written"])
+    provenance = candidate_provenance(regen, target, pools)
+    if regen.reuse:  # the candidates of the same ids earlier builds wrote the same way
+        sink.write(reusable_candidates({r["id"] for r in rows} - sink.done, provenance,
+                                       earlier_builds(final, "-candidates")))
     todo = [r for r in rows if r["id"] not in sink.done]
     bar = ProgressBar(len(rows), len(rows) - len(todo), "writing prompts", True)
-    pools = example_pools([p for p in fixed if p["source"] == "written"])
     for batch, tokens in write_candidates(target, todo, settings, stop_token_ids(target.tokenizer), decoder, pools):
-        sink.write(batch)
+        sink.write([dict(r, provenance=provenance) for r in batch])
         bar.update(len(batch), tokens)
     bar.close()
     sink.close()
@@ -189,14 +193,28 @@ def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: P
     log.info("self-written prompts: %d kept of %d candidates (dropped: %s)", len(kept), len(candidates), dropped)
     try:
         write_text_atomic(done, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
-        sink.path.unlink()
+        sink.path.replace(candidates_path(final))  # kept for larger builds to reuse
     except OSError as exc:
         raise unwritable(done, exc) from None
     return kept
 
 
+def candidate_provenance(regen: RegenConfig, target, pools: dict[str, list[str]]) -> dict:
+    """What a self-written candidate depends on besides its id (not how many are written, nor batch size)."""
+    settings = {k: v for k, v in asdict(self_prompt_settings(regen)).items()
+                if k not in ("per_category", "oversample", "batch_size")}
+    shown = hashlib.sha256(json.dumps(pools, sort_keys=True).encode()).hexdigest()[:12]
+    return {"target": target.spec.name, "target_path": target.spec.path, "precision": regen.precision,
+            **settings, "example_pools": shown}
+
+
 def prompts_path(final: Path) -> Path:
     return final.with_name(final.stem + "-prompts.jsonl")
+
+
+def candidates_path(final: Path) -> Path:
+    """Every self-written candidate of the build, kept or dropped, with how it was written."""
+    return final.with_name(final.stem + "-candidates.jsonl")
 
 
 def report_path(final: Path) -> Path:
