@@ -8,8 +8,10 @@ later runs reuse the files. With a capture (training reads its features from the
 the target's hidden states are stored in that cache during the same pass.
 
 Files, all keyed by what changes them: default-<target>-<digest>-prompts.jsonl (the self-written prompts
-kept), default-<target>-<digest>.jsonl (the conversations) and its .report.json. A killed build resumes
-from its `.partial` files; a final file appears (by rename) only when complete.
+kept), -candidates.jsonl (every candidate written, kept or not), default-<target>-<digest>.jsonl (the
+conversations) and its .report.json. A killed build resumes from its `.partial` files; a final file appears
+(by rename) only when complete. A larger build copies the candidates and answers earlier builds wrote the same
+way (train/data/reuse.py).
 """
 
 from __future__ import annotations
