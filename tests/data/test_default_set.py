@@ -124,6 +124,19 @@ def test_only_rows_answered_as_this_build_would_are_reused(tmp_path):
     assert reused({**earlier, "messages": other_system}) == []
 
 
+def test_reuse_reads_only_complete_builds_of_the_same_target(tmp_path):
+    from headway.train.data.reuse import earlier_builds
+
+    names = ["default-t-aaa.jsonl", "default-t-aaa-prompts.jsonl", "default-t-aaa-candidates.jsonl",
+             "default-t-bbb.jsonl.partial", "default-t-bbb-prompts.jsonl.partial", "default-u-ccc.jsonl",
+             "default-t-own.jsonl"]
+    for name in names:
+        (tmp_path / name).write_text("")
+    own = tmp_path / "default-t-own.jsonl"
+    assert [p.name for p in earlier_builds(own)] == ["default-t-aaa.jsonl"]
+    assert [p.name for p in earlier_builds(own, "-candidates")] == ["default-t-aaa-candidates.jsonl"]
+
+
 def test_no_capture_when_another_model_writes_the_data(target, tmp_path, monkeypatch):
     monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
     other = load_target({"path": "tiny-random", "name": "tiny-random", "seed": 1})
