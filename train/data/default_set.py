@@ -26,6 +26,7 @@ from pathlib import Path
 
 from headway.heads.files import swap_in, write_json_atomic, write_text_atomic
 from headway.heads.target import cache_root
+from headway.train.data import overlap
 from headway.train.data.config import DataError, RegenConfig
 from headway.train.data.decode import generating, resolve_precision
 from headway.train.data.regenerate import (HOW_NOT_WHAT, GenerationSettings, JsonlSink, ProgressBar, content_settings,
@@ -76,6 +77,7 @@ def default_dataset_path(regen: RegenConfig, prompts: list[dict]) -> Path:
     if regen.self_prompts:  # key of a default set without self-written prompts unchanged
         key["self_prompts"] = {k: v for k, v in asdict(self_prompt_settings(regen)).items()
                                if k not in skip and not (k == "examples" and v == 0)}  # earlier keys unchanged
+        key["decontamination"] = overlap.RULES  # which candidates the held-out filter drops
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return cache_root() / "data" / f"default-{regen.target_name}-{digest}.jsonl"
 
@@ -171,8 +173,6 @@ def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: P
     done = prompts_path(final)
     if done.is_file():
         return [json.loads(line) for line in done.read_text().split("\n") if line.strip()]
-    from headway.train.data.overlap import OverlapIndex, evaluation_prompts
-
     sink = JsonlSink(done.with_name(done.name + ".partial"))
     rows = candidate_rows(settings)
     pools = example_pools([p for p in fixed if p["source"] == "written"])
@@ -190,7 +190,7 @@ def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: P
     order = {r["id"]: i for i, r in enumerate(rows)}
     candidates = sorted((json.loads(line) for line in sink.path.read_text().split("\n") if line.strip()),
                         key=lambda r: order.get(r["id"], len(order)))
-    kept, dropped = select_prompts(candidates, settings.per_category, OverlapIndex(evaluation_prompts()),
+    kept, dropped = select_prompts(candidates, settings.per_category, overlap.OverlapIndex(overlap.evaluation_prompts()),
                                    [p["prompt"] for p in fixed])
     log.info("self-written prompts: %d kept of %d candidates (dropped: %s)", len(kept), len(candidates), dropped)
     try:

@@ -137,7 +137,8 @@ def select_prompts(candidates: list[dict], per_category: int, held_out: OverlapI
                    keep_out: list[str] = ()) -> tuple[list[dict], dict[str, int]]:
     """Filter the candidates (in order) and keep up to per_category of each category.
     keep_out: other training prompts they must not duplicate. -> (kept, dropped count by reason)."""
-    seen = OverlapIndex(keep_out, long_n=10 ** 6, short_n=NEAR_DUP_N, max_jaccard=NEAR_DUP_JACCARD)
+    seen = OverlapIndex(keep_out, long_n=10 ** 6, short_n=NEAR_DUP_N, max_jaccard=NEAR_DUP_JACCARD,
+                        max_word_jaccard=None)  # rewordings of one another: different replies to learn
     exact = {" ".join(words(t)) for t in keep_out}
     kept, dropped, count = [], {}, {cat: 0 for cat in CATEGORIES}
     for row in candidates:
