@@ -61,7 +61,7 @@ def load_input(cfg: PrepareConfig) -> list[dict]:
     if cfg.input == "builtin:default":
         from headway.train.data.default_set import default_prompts
 
-        return default_prompts(cfg.max_conversations)
+        return default_prompts(cfg.max_conversations, cfg.default_set.regen.extra_prompts)
     from headway.train.data.build import load_raw
 
     raw = load_raw(DataConfig(source=cfg.input, subset=cfg.subset, data_files=cfg.data_files,

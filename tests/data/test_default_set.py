@@ -241,11 +241,52 @@ def test_filters_drop_unusable_duplicate_and_held_out_prompts():
 
 
 def test_built_in_training_prompts_never_overlap_evaluation_prompts():
-    from headway.train.data.default_set import default_prompts
+    from headway.train.data.default_set import MORE_PROMPTS, _read_prompts, default_prompts
 
     held_out = OverlapIndex(evaluation_prompts())
-    bad = [(p["id"], why) for p in default_prompts() if (why := held_out.overlap(p["prompt"]))]
+    shipped = default_prompts() + _read_prompts(MORE_PROMPTS, "written")  # builtin:more unfiltered
+    bad = [(p["id"], why) for p in shipped if (why := held_out.overlap(p["prompt"]))]
     assert not bad
+
+
+def test_extra_prompts_are_answered_and_shown_as_examples(tmp_path):
+    from headway.train.data.default_set import default_dataset_path, default_prompts
+
+    extra = tmp_path / "mine.jsonl"
+    extra.write_text('{"id": "mine-0", "category": "advice", "prompt": "How do I keep basil alive on a windowsill?"}\n'
+                     '\n{"id": "mine-1", "category": "stem", "prompt": "What causes the seasons on Earth?"}\n')
+    plain, more = default_prompts(), default_prompts(extra=str(extra))
+    written = [p for p in plain if p["source"] == "written"]
+    # after the built-in written set, before the stdlib ones; the held-out question is left out
+    assert more == written + [{"id": "mine-0", "category": "advice", "source": "written",
+                               "prompt": "How do I keep basil alive on a windowsill?"}] + plain[len(written):]
+    assert "How do I keep basil alive on a windowsill?" in example_pools(more)["advice"]
+    assert example_pools(plain)["advice"] == []
+    regen = RegenConfig(**REGEN)
+    assert default_dataset_path(regen, more) != default_dataset_path(regen, plain)  # another dataset
+
+
+def test_the_more_prompts_fill_every_self_prompt_category():
+    from headway.train.data.default_set import default_prompts
+
+    pools = example_pools(default_prompts(extra="builtin:more"))
+    assert min(len(pool) for pool in pools.values()) >= 40  # advice had none
+
+
+@pytest.mark.parametrize("text, says", [
+    (None, "cannot read"),
+    ('{"id": "x", "category": "stem"}\n', "line 1"),
+    ('{"id": "writing-000", "category": "stem", "prompt": "Why is ice slippery?"}\n', "'writing-000' is taken"),
+    ("\n\n", "no prompts"),
+])
+def test_a_bad_extra_prompt_file_is_one_clear_error(tmp_path, text, says):
+    from headway.train.data.default_set import default_prompts
+
+    path = tmp_path / "mine.jsonl"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(DataError, match=f"data.regen.extra_prompts=.*{says}"):
+        default_prompts(extra=str(path))
 
 
 def test_the_default_prompts_do_not_depend_on_the_interpreter_path():

@@ -18,6 +18,9 @@ class RegenConfig:
     target: str = "embedded:smollm2"  # target.path of the model that writes the responses
     target_name: str = "smollm2-135m"
     num_prompts: Optional[int] = None  # None: every built-in prompt
+    # more written prompts, JSONL of {"id", "category", "prompt"}: answered like the built-in ones and shown as
+    # examples to the self-written prompts of their category | builtin:more (386 more, docs/data-generation.md)
+    extra_prompts: Optional[str] = None
     max_new_tokens: int = 160
     temperature: float = 0.0  # 0 = greedy: the target's own most likely response
     top_p: float = 1.0

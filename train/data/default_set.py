@@ -39,16 +39,60 @@ from headway.train.data.vllm_decode import open_decoder
 
 WRITTEN_PROMPTS = Path(__file__).parent / "builtin" / "default_prompts.jsonl"
 STDLIB_PROMPTS = Path(__file__).parent / "builtin" / "stdlib_prompts.jsonl"  # train/data/stdlib_prompts.py
+MORE_PROMPTS = Path(__file__).parent / "builtin" / "more_prompts.jsonl"  # regen.extra_prompts=builtin:more
 log = logging.getLogger(__name__)
 
 
-def default_prompts(num_prompts: int | None = None) -> list[dict]:
-    """[{"id", "category", "prompt", "source"}]: the written set, then the stdlib coding prompts (the
-    self-written ones need the target: see self_written_prompts)."""
-    prompts = [dict(json.loads(line), source=source) for path, source in ((WRITTEN_PROMPTS, "written"),
-                                                                          (STDLIB_PROMPTS, "stdlib"))
-               for line in path.read_text().split("\n") if line.strip()]
+def default_prompts(num_prompts: int | None = None, extra: str | None = None) -> list[dict]:
+    """[{"id", "category", "prompt", "source"}]: the written set, then `extra` (regen.extra_prompts: a file or
+    builtin:more), then the stdlib coding prompts (the self-written ones need the target: see
+    self_written_prompts)."""
+    written = _read_prompts(WRITTEN_PROMPTS, "written")
+    prompts = written + extra_prompts(extra, {p["id"] for p in written}) + _read_prompts(STDLIB_PROMPTS, "stdlib")
     return prompts[:num_prompts] if num_prompts else prompts
+
+
+def _read_prompts(path: Path, source: str) -> list[dict]:
+    return [dict(json.loads(line), source=source) for line in path.read_text().split("\n") if line.strip()]
+
+
+def extra_prompts(spec: str | None, taken: set[str]) -> list[dict]:
+    """More written prompts (source "written"), checked line by line; those that ask a held-out evaluation
+    question (train/data/overlap.py) are left out, with a warning, so `evaluate prompts=chat` stays held out."""
+    if not spec:
+        return []
+    path = MORE_PROMPTS if spec == "builtin:more" else Path(spec).expanduser()
+    where = f"data.regen.extra_prompts={spec}"
+    try:
+        lines = path.read_text().split("\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{where}: cannot read {path} ({exc.__class__.__name__}): give a JSONL file of "
+                        '{"id", "category", "prompt"} rows') from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            ok = isinstance(row, dict) and all(isinstance(row.get(k), str) and row[k].strip()
+                                               for k in ("id", "category", "prompt"))
+        except json.JSONDecodeError:
+            ok = False
+        if not ok:
+            raise DataError(f'{where}: line {n} of {path} is not a {{"id", "category", "prompt"}} row of '
+                            "non-empty strings")
+        if row["id"] in taken:
+            raise DataError(f"{where}: line {n} of {path}: the id {row['id']!r} is taken; give each prompt its own id")
+        taken.add(row["id"])
+        rows.append({"id": row["id"], "category": row["category"], "prompt": row["prompt"], "source": "written"})
+    if not rows:
+        raise DataError(f"{where}: {path} holds no prompts")
+    held_out = overlap.OverlapIndex(overlap.evaluation_prompts())
+    kept = [r for r in rows if not held_out.overlap(r["prompt"])]
+    if len(kept) < len(rows):
+        log.warning("%s: %d of %d prompts ask a held-out evaluation question and are left out", where,
+                    len(rows) - len(kept), len(rows))
+    return kept
 
 
 def settings_of(regen: RegenConfig) -> GenerationSettings:
@@ -86,7 +130,7 @@ def ensure_default_dataset(regen: RegenConfig, device: str = "cpu", capture=None
     """Path of the complete default dataset, generating it with the target first if needed.
     capture: a train.data.capture.FeatureCapture (its target is used when it is the generating one)."""
     regen = replace(regen, precision=resolve_precision(regen.precision, device))  # it keys the data
-    prompts = default_prompts(regen.num_prompts)
+    prompts = default_prompts(regen.num_prompts, regen.extra_prompts)
     final = default_dataset_path(regen, prompts)
     if final.is_file():
         return final
