@@ -87,8 +87,7 @@ def extra_prompts(spec: str | None, taken: set[str]) -> list[dict]:
         rows.append({"id": row["id"], "category": row["category"], "prompt": row["prompt"], "source": "written"})
     if not rows:
         raise DataError(f"{where}: {path} holds no prompts")
-    held_out = overlap.OverlapIndex(overlap.evaluation_prompts())
-    kept = [r for r in rows if not held_out.overlap(r["prompt"])]
+    kept = [r for r in rows if not overlap.held_out_index().overlap(r["prompt"])]
     if len(kept) < len(rows):
         log.warning("%s: %d of %d prompts ask a held-out evaluation question and are left out", where,
                     len(rows) - len(kept), len(rows))
@@ -234,7 +233,7 @@ def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: P
     order = {r["id"]: i for i, r in enumerate(rows)}
     candidates = sorted((json.loads(line) for line in sink.path.read_text().split("\n") if line.strip()),
                         key=lambda r: order.get(r["id"], len(order)))
-    kept, dropped = select_prompts(candidates, settings.per_category, overlap.OverlapIndex(overlap.evaluation_prompts()),
+    kept, dropped = select_prompts(candidates, settings.per_category, overlap.held_out_index(),
                                    [p["prompt"] for p in fixed])
     log.info("self-written prompts: %d kept of %d candidates (dropped: %s)", len(kept), len(candidates), dropped)
     try:

@@ -12,6 +12,7 @@ a held-out question (three or more) asks it too.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import defaultdict
@@ -88,8 +89,8 @@ class OverlapIndex:
         if ngrams(text, self.long_n) & self.long:
             return f"shared {self.long_n}-gram"
         grams = ngrams(text, self.short_n)
-        best = max((jaccard(grams, self.short[i]) for i in {i for g in grams for i in self.by_gram.get(g, ())}),
-                   default=0.0)
+        candidates = {i for g in grams for i in self.by_gram.get(g, ())}
+        best = max((jaccard(grams, self.short[i]) for i in candidates), default=0.0)
         if best > self.max_jaccard:
             return f"{self.short_n}-gram jaccard {best:.2f}"
         if self.max_word_jaccard is None:
@@ -100,6 +101,12 @@ class OverlapIndex:
             return "contains a held-out question"
         best = max((jaccard(topic, ref) for ref in near), default=0.0)
         return f"word jaccard {best:.2f}" if best >= self.max_word_jaccard else None
+
+
+@functools.cache
+def held_out_index() -> OverlapIndex:
+    """Every built-in held-out prompt, indexed once per process (the files do not change while it runs)."""
+    return OverlapIndex(evaluation_prompts())
 
 
 def evaluation_prompts() -> list[str]:
