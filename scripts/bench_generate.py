@@ -10,6 +10,7 @@ on the same prompts, settings and batch size, in one run; or the HF path under s
     python scripts/bench_generate.py --stage prompts --weight-layouts bf16 --examples 0 3   # examples shown or not
     python scripts/bench_generate.py --weight-layouts bf16:sdpa bf16 bf16:sdpa bf16   # decode-step attention kernel
     python scripts/bench_generate.py --stage prompts --weight-layouts auto:padded auto --examples 3   # grouped prefill
+    python scripts/bench_generate.py --stage prompts --weight-layouts bf16 --examples 3 --shared 1 8   # examples shared
 
 The prompts are the default dataset's written ones (the first --prompts), answered greedily up to
 --max-new-tokens. Each backend writes its rows to a temp folder through the same regenerate() the dataset
@@ -26,7 +27,9 @@ longest, instead of the shared prefix once and length groups (train/data/decode.
 set's build instead: --prompts candidates of one category written by the target (the default dataset's
 self_prompt_* settings: temperature 1, top-p 0.95, up to 96 tokens), one batch per --batch-size, each layout once
 per --examples count (written prompts shown first, each candidate its own draw; 0: the hint alone, rows of one
-shared prefix), with candidates/s and their mean length in words beside tokens/s.
+shared prefix) and --shared count (consecutive candidates shown one draw of examples), with candidates/s, their
+mean length in words and how many of them the build's filters keep beside tokens/s (last line with several
+--shared counts: candidates/s, last over first).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def parse_args(argv=None):
                         "(needs --weight-layouts)")
     p.add_argument("--examples", type=int, nargs="+", default=[0], metavar="N",
                    help="--stage prompts: written prompts shown before each candidate (each count in turn)")
+    p.add_argument("--shared", type=int, nargs="+", metavar="N",
+                   help="--stage prompts: consecutive candidates shown one draw of examples, each count in turn "
+                        "(default: the default dataset's data.regen.self_prompt_examples_shared)")
     p.add_argument("--vllm-python", help="a python that has vLLM (default: this one)")
     p.add_argument("--weight-layouts", nargs="+", metavar="LAYOUT",
                    help="compare the HF path under these weight layouts (heads.kernels.weight_layout) instead of vLLM; "
@@ -72,9 +78,11 @@ def same_responses(a: Path, b: Path) -> int:
     return sum(mine[k] == theirs.get(k) for k in mine)
 
 
-def write_prompts(target, args, settings, examples: int) -> tuple[int, dict[str, str]]:
+def write_prompts(target, args, settings, examples: int, shared: int | None) -> tuple[int, list[dict]]:
     """The default set's prompt-writing stage on --prompts candidates of one category, under `settings`' layout
-    and precision, `examples` written prompts shown before each -> (tokens written, {candidate id: prompt})."""
+    and precision, `examples` written prompts shown before each, one draw per `shared` consecutive candidates (None:
+    as the default dataset draws them)
+    -> (tokens written, the candidates: rows with "id", "prompt" and "finished")."""
     from dataclasses import replace
 
     from omegaconf import OmegaConf
@@ -87,14 +95,15 @@ def write_prompts(target, args, settings, examples: int) -> tuple[int, dict[str,
 
     regen = as_data_config(OmegaConf.load(ROOT / "conf" / "data" / "default.yaml")).regen
     writing = replace(self_prompt_settings(regen), batch_size=args.batch_size, examples=examples)
+    writing = replace(writing, examples_shared=shared) if shared else writing
     pools = example_pools([p for p in default_prompts() if p["source"] == "written"])
     todo = [{"id": f"bench-{k:05d}", "category": "writing"} for k in range(args.prompts)]
-    tokens, texts = 0, {}
+    tokens, candidates = 0, []
     with generating(target, settings.weight_layout, settings.precision):
         for rows, written in write_candidates(target, todo, writing, stop_token_ids(target.tokenizer), pools=pools):
             tokens += written
-            texts.update((r["id"], r["prompt"]) for r in rows)
-    return tokens, texts
+            candidates += rows
+    return tokens, candidates
 
 
 def main(argv=None) -> int:
@@ -108,6 +117,8 @@ def main(argv=None) -> int:
 
     if any(n < 0 for n in args.examples) or (args.examples != [0] and args.stage != "prompts"):
         bc.bad_input("--examples: counts of 0 or more, with --stage prompts")
+    if args.shared and (any(n < 1 for n in args.shared) or args.stage != "prompts"):
+        bc.bad_input("--shared: counts of 1 or more, with --stage prompts")
     if args.weight_layouts:
         from headway.heads.kernels.gemm import BACKENDS
         from headway.heads.kernels.weight_layout import LAYOUTS
@@ -161,6 +172,17 @@ PADDED = "padded"  # after a layout or bf16: the prefill as one forward left-pad
 BF16_ENTRIES = (BF16, "bf16:hf-attention", f"bf16:{SDPA}", f"bf16:{PADDED}")  # ... HF's attention, SDPA, padded
 
 
+def kept_after_filters(candidates: list[dict]) -> int:
+    """How many of the candidates the default set's filters keep, the near-duplicate filter among them included."""
+    from headway.train.data import overlap
+    from headway.train.data.default_set import default_prompts
+    from headway.train.data.self_prompts import select_prompts
+
+    written = [p["prompt"] for p in default_prompts() if p["source"] == "written"]
+    kept, _ = select_prompts(candidates, len(candidates), overlap.held_out_index(), written)
+    return len(kept)
+
+
 def compare_layouts(args, target, rows) -> int:
     """The HF path once per weight layout (the data build's `weight_layout` setting), same prompts and settings;
     last line: last layout / first."""
@@ -186,12 +208,15 @@ def compare_layouts(args, target, rows) -> int:
     decode_attention_available()  # its first use builds the kernel (~40 s once per machine): not in a timed run
     rates, first, names = [], None, []
     forward_cost = decode_module.FORWARD_COST
-    runs = [(entry, n) for n in args.examples for entry in args.weight_layouts]  # --examples: prompts stage only
+    runs = [(entry, n, shared) for shared in args.shared or [None] for n in args.examples  # prompts stage only
+            for entry in args.weight_layouts]
+    per_second = []  # candidates/s (prompts stage)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for i, (entry, examples) in enumerate(runs):  # a layout named twice runs twice (noise)
+            for i, (entry, examples, shared) in enumerate(runs):  # a layout named twice runs twice (noise)
                 layout, _, gemm = entry.partition(":")
                 name = entry if len(args.examples) == 1 else f"{entry} with {examples} examples"
+                name += f", one draw per {shared}" if args.shared and len(args.shared) > 1 else ""
                 bf16 = entry in BF16_ENTRIES
                 settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                               weight_layout="stock" if bf16 else layout,
@@ -202,7 +227,8 @@ def compare_layouts(args, target, rows) -> int:
                 started = time.perf_counter()
                 with forced_backend(gemm) if gemm and gemm not in (SDPA, PADDED) and not bf16 else nullcontext():
                     if args.stage == "prompts":
-                        tokens, texts = write_prompts(target, args, settings, examples)
+                        tokens, candidates = write_prompts(target, args, settings, examples, shared)
+                        texts = {r["id"]: r["prompt"] for r in candidates}
                     else:
                         stats = regenerate(rows, target, Path(tmp) / f"{i}.jsonl", settings, progress=False)
                         tokens = stats["generated_tokens"]
@@ -213,8 +239,10 @@ def compare_layouts(args, target, rows) -> int:
                 first = texts if first is None else first
                 same = sum(first[k] == texts.get(k) for k in first)
                 what = "prompts written" if args.stage == "prompts" else "greedy responses"
+                per_second.append(len(texts) / seconds)
                 per_prompt = (f", {len(texts) / seconds:.2f} candidates/s of "
-                              f"{sum(len(t.split()) for t in texts.values()) / len(texts):.1f} words"
+                              f"{sum(len(t.split()) for t in texts.values()) / len(texts):.1f} words, "
+                              f"{kept_after_filters(candidates)} kept by the build's filters"
                               if args.stage == "prompts" else "")
                 print(f"{name}: {tokens} tokens in {seconds:.1f} s = {rates[-1]:.1f} tok/s{per_prompt} "
                       f"({what} identical to {names[0]}'s: {same} of {len(first)})", flush=True)
@@ -226,7 +254,10 @@ def compare_layouts(args, target, rows) -> int:
         print(f"{args.prompts} prompts written, batch {args.batch_size}, up to 96 tokens, temperature 1, top-p 0.95")
     else:
         print(f"{len(rows)} prompts, batch {args.batch_size}, up to {args.max_new_tokens} new tokens, greedy")
-    print(f"{names[-1]} / {names[0]} tokens/s: {rates[-1] / rates[0]:.2f}x")  # last vs first
+    if args.shared and len(args.shared) > 1:
+        print(f"{names[-1]} / {names[0]} candidates/s: {per_second[-1] / per_second[0]:.2f}x")  # last vs first
+    else:
+        print(f"{names[-1]} / {names[0]} tokens/s: {rates[-1] / rates[0]:.2f}x")  # last vs first
     return 0
 
 

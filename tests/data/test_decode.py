@@ -127,13 +127,43 @@ def test_prefill_feeds_the_shared_prefix_once_and_pads_each_group_to_its_own_lon
         return decode(target.model, rows, 1, [], target.tokenizer.pad_token_id).tokens
 
     one_forward = prefill(10 ** 9)
-    assert fed == [(len(rows), max(map(len, rows)))]  # left-padded to the longest
+    assert fed == [(len(prompts), max(map(len, prompts)))]  # left-padded to the longest, each prompt once
     grouped = prefill(0)
     shared = decode_module.shared_prefix(rows)
     assert shared > 0 and fed[0] == (1, shared)
-    assert sum(b * w for b, w in fed[1:]) == sum(len(p) - shared for p in rows)  # no pads fed
+    assert sum(b * w for b, w in fed[1:]) == sum(len(p) - shared for p in prompts)  # no pads fed, no prompt twice
     assert len(fed) - 1 == len(set(map(len, rows)))  # a group per length at no cost per forward
     assert grouped == one_forward
+
+
+@pytest.mark.parametrize("forward_cost", FORWARD_COSTS)
+def test_rows_with_the_same_prompt_share_one_prefill_and_what_it_captures(target, prompts, forward_cost,
+                                                                           monkeypatch):
+    """Candidates shown the same examples: each distinct prompt fed once, every row decoded and captured as if
+    it had been fed on its own."""
+    monkeypatch.setattr(decode_module, "FORWARD_COST", forward_cost)
+    fed = []
+    forward = target.model.forward
+    monkeypatch.setattr(target.model, "forward", lambda *a, **k: fed.append(k["input_ids"].shape) or forward(*a, **k))
+    rows = [prompts[1], prompts[4], prompts[1], prompts[2], prompts[4], prompts[1]]
+    captured = {}
+    tap = Tap([1, 3], lambda b, new, finished: rows[b] + new,
+              lambda b, ids, hidden: captured.setdefault(b, (ids, hidden)))
+    got = decode(target.model, rows, MAX_NEW, [], target.tokenizer.pad_token_id, tap=tap)
+    distinct = [prompts[1], prompts[4], prompts[2]]
+    prompt_tokens = sum(b * w for b, w in fed if w > 1)  # the prefill's forwards (decode steps feed 1 token)
+    assert prompt_tokens <= len(distinct) * max(map(len, distinct)) < sum(map(len, rows))  # each prompt once
+    alone = decode(target.model, distinct, MAX_NEW, [], target.tokenizer.pad_token_id)
+    assert got.tokens == [alone.tokens[i] for i in (0, 1, 0, 2, 1, 0)]
+    assert sorted(captured) == list(range(len(rows)))
+    for b, (ids, hidden) in captured.items():
+        ref = compute_features(target.model, ids[None], None, [1, 3])
+        for i in (1, 3):
+            err = (hidden[i] - ref.hidden_states[i][0]).norm() / ref.hidden_states[i][0].norm()
+            assert err < 1e-5, (b, i, float(err))
+    sampled = decode(target.model, rows, MAX_NEW, [], target.tokenizer.pad_token_id, temperature=1.0,
+                     generator=torch.Generator().manual_seed(0)).tokens
+    assert sampled[0] != sampled[2] or sampled[2] != sampled[5]  # rows of one prompt sample on their own
 
 
 @pytest.mark.parametrize("forward_cost", [0, 5, 20, 1000])

@@ -86,7 +86,8 @@ def test_a_larger_build_answers_only_the_prompts_earlier_builds_did_not(target, 
     assert built_rows(num_prompts=7)[1]["written"] == 7
 
 
-def test_a_larger_build_writes_only_the_candidates_earlier_builds_did_not(target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("steering", [{}, {"self_prompt_examples": 2, "self_prompt_examples_shared": 2}])
+def test_a_larger_build_writes_only_the_candidates_earlier_builds_did_not(target, tmp_path, monkeypatch, steering):
     monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
 
     def candidates() -> dict[str, dict]:  # the largest build's, by id
@@ -94,9 +95,9 @@ def test_a_larger_build_writes_only_the_candidates_earlier_builds_did_not(target
         rows = max(([json.loads(line) for line in f.read_text().splitlines()] for f in files), key=len)
         return {r["id"]: r for r in rows}
 
-    build_datasets(default_cfg(tmp_path, num_prompts=4, self_prompts=1), target.tokenizer, 96)
+    build_datasets(default_cfg(tmp_path, num_prompts=4, self_prompts=1, **steering), target.tokenizer, 96)
     small = candidates()  # 2 per category (1 kept x oversample 1.5), kept and dropped
-    build_datasets(default_cfg(tmp_path, num_prompts=4, self_prompts=2), target.tokenizer, 96)
+    build_datasets(default_cfg(tmp_path, num_prompts=4, self_prompts=2, **steering), target.tokenizer, 96)
     large = candidates()
     assert len(small) == 2 * len(CATEGORIES) and len(large) == 3 * len(CATEGORIES)
     # the same texts: written again, in batches of 3 instead of 2, they would be other draws
@@ -188,6 +189,31 @@ def test_each_candidate_draws_its_own_examples_the_same_way_every_time():
     assert examples_for("x", pool[:2], three) == examples_for("x", pool[:2], three) and \
         len(examples_for("x", pool[:2], three)) == 2 and examples_for("x", [], three) == []
     assert examples_for("x", pool, SelfPromptSettings()) == []  # examples=0: the hint alone
+
+
+def test_a_block_of_candidates_shares_one_draw_of_examples():
+    pool = [f"Prompt number {i}." for i in range(40)]
+    shared = SelfPromptSettings(examples=3, examples_shared=4)
+    draws = [tuple(examples_for(f"self-math-{k:05d}", pool, shared)) for k in range(12)]
+    assert len(set(draws[:4])) == len(set(draws[4:8])) == len(set(draws[8:])) == 1  # a block: one draw
+    assert len(set(draws)) == 3  # blocks: their own draws
+    assert draws[0] != tuple(examples_for("self-humanities-00000", pool, shared))  # categories: theirs
+    own = SelfPromptSettings(examples=3)
+    assert examples_for("self-math-00001", pool, own) != examples_for("self-math-00002", pool, own)
+
+
+def test_shared_examples_key_a_new_dataset_and_a_bad_count_is_one_clear_error():
+    from headway.train.data.default_set import default_dataset_path, default_prompts, self_prompt_settings
+
+    prompts = default_prompts(4)
+    own = RegenConfig(**{**REGEN, "self_prompts": 5, "self_prompt_examples": 3})
+    shared = RegenConfig(**{**REGEN, "self_prompts": 5, "self_prompt_examples": 3, "self_prompt_examples_shared": 8})
+    assert default_dataset_path(own, prompts) != default_dataset_path(shared, prompts)
+    unsteered = RegenConfig(**{**REGEN, "self_prompts": 5})  # no examples shown: nothing shared, the same data
+    assert default_dataset_path(unsteered, prompts) == \
+        default_dataset_path(RegenConfig(**{**REGEN, "self_prompts": 5, "self_prompt_examples_shared": 8}), prompts)
+    with pytest.raises(DataError, match=r"self_prompt_examples_shared=0: use 1"):
+        self_prompt_settings(RegenConfig(**{**REGEN, "self_prompt_examples_shared": 0}))
 
 
 def test_example_pools_hold_the_short_written_prompts_of_each_category():

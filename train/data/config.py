@@ -37,6 +37,7 @@ class RegenConfig:
     self_prompt_temperature: float = 1.0
     self_prompt_top_p: float = 0.95
     self_prompt_examples: int = 0  # written prompts of the category shown before each one (style steering)
+    self_prompt_examples_shared: int = 1  # consecutive candidates shown the same examples (prefilled once)
     reuse: bool = True  # take the candidates and answers earlier builds wrote with the same settings (speed only)
 
 

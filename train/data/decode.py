@@ -2,8 +2,9 @@
 
 A prefill, then one token per row per step through the HF model's own KV cache. The prefill computes each
 prompt token once: the tokens every prompt starts with (the chat template's system turn, a category's hint)
-in one row, then the rest of each prompt in groups of rows of similar length, each group padded only to its
-own longest (see prefill_groups); the cache then holds, per row, [shared prefix][pads][its own tokens]. A
+in one row, then the rest of each distinct prompt in groups of rows of similar length, each group padded only
+to its own longest (see prefill_groups), rows with the same prompt sharing one; the cache then holds, per row,
+[shared prefix][pads][its own tokens]. A
 batch of self-written prompts with examples (28-180 tokens, ~100 on average) spent about 65% of its writing
 time in one prefill padded to its longest row; grouped, the writing stage is 1.15-1.3x as fast
 (docs/data-generation.md). Complete rows
@@ -285,6 +286,13 @@ class GrowingLayer(DynamicLayer):
             self._views()
 
 
+def first_rows(prompts: list[list[int]]) -> Tensor:
+    """[B] for each row, the first row with the same prompt (itself where it is the first): rows that share a
+    prompt (candidates shown the same examples) are prefilled once and sample on their own."""
+    first = {}
+    return torch.tensor([first.setdefault(tuple(p), b) for b, p in enumerate(prompts)], dtype=torch.long)
+
+
 def shared_prefix(prompts: list[list[int]]) -> int:
     """How many leading tokens every prompt shares and feeds once (0 where that saves less than a forward
     costs); each row keeps at least its last token, whose logits it needs."""
@@ -376,11 +384,13 @@ class _Decoder:
                 self.hidden[i][rows, slots] = out.hidden_states[i].to(self.hidden[i].dtype).cpu()
 
     def prefill(self) -> Tensor:
-        """Feed every prompt; -> each row's last logits [B, V]."""
-        shared = shared_prefix(self.prompts)
+        """Feed every distinct prompt once; -> each row's last logits [B, V]."""
+        first = first_rows(self.prompts)  # [B] the row whose prefill each row shares
+        distinct = (first == torch.arange(len(first))).nonzero().squeeze(1)  # [U]
+        shared = shared_prefix([self.prompts[u] for u in distinct])
         own = self.lens - shared  # [B] tokens of each prompt after the shared prefix
-        groups = prefill_groups(own)
-        if shared == 0 and len(groups) == 1:  # one forward over the left-padded batch: nothing to save
+        groups = [distinct[g] for g in prefill_groups(own[distinct])]
+        if shared == 0 and len(groups) == 1 and len(distinct) == len(first):  # one left-padded forward saves as much
             positions = (self.mask.cumsum(1) - 1).clamp(min=0)  # [B, width]; left pads at 0
             slots = torch.where(self.mask.bool(), positions, self.dump)
             return self.forward(self.ids, positions, slots)
@@ -389,19 +399,27 @@ class _Decoder:
         self.mask = ((cols < shared) | (cols >= width - own[:, None])).long()  # [B, width] prefix, pads, own
         prefix = self.prefill_prefix(shared)
         logits = None
+        slot = torch.empty(len(first), dtype=torch.long)  # a fed row's place in its group
         for rows in groups:
             w = int(own[rows].max())
             group_cache, group_logits = self.prefill_group(rows, own[rows], w, shared, prefix)
             if logits is None:
                 logits = group_logits.new_empty(len(self.prompts), group_logits.shape[-1])
                 self.start_cache(group_cache, width)
-            logits[rows.to(logits.device)] = group_logits
+            slot[rows] = torch.arange(len(rows))
+            members = torch.isin(first, rows).nonzero().squeeze(1)  # [M] the rows that share these prompts
+            src = slot[first[members]]  # [M] where each one's prompt sits in the group
+            logits[members.to(logits.device)] = group_logits[src.to(logits.device)]
             for main, layer in zip(self.cache.layers, group_cache.layers):  # the group's own tokens, right-aligned
-                at = rows.to(main.keys.device)
-                main.keys[at, :, width - w:] = layer.keys[:, :, shared:]
-                main.values[at, :, width - w:] = layer.values[:, :, shared:]
+                at, of = members.to(main.keys.device), src.to(main.keys.device)
+                main.keys[at, :, width - w:] = layer.keys[of, :, shared:]
+                main.values[at, :, width - w:] = layer.values[of, :, shared:]
         for main, (k, v) in zip(self.cache.layers, prefix):
             main.keys[:, :, :shared], main.values[:, :, :shared] = k, v
+        copies = (first != torch.arange(len(first))).nonzero().squeeze(1)
+        if self.tap and len(copies):  # the prompt states of a row that shared another's prefill
+            for i in self.tap.layers:
+                self.hidden[i][copies] = self.hidden[i][first[copies]]
         return logits
 
     def start_cache(self, like: Cache, width: int) -> None:

@@ -40,6 +40,7 @@ from headway.train.data.vllm_decode import open_decoder
 WRITTEN_PROMPTS = Path(__file__).parent / "builtin" / "default_prompts.jsonl"
 STDLIB_PROMPTS = Path(__file__).parent / "builtin" / "stdlib_prompts.jsonl"  # train/data/stdlib_prompts.py
 MORE_PROMPTS = Path(__file__).parent / "builtin" / "more_prompts.jsonl"  # regen.extra_prompts=builtin:more
+UNKEYED_DEFAULTS = {("examples", 0), ("examples_shared", 1)}  # self-prompt settings older keys were made without
 log = logging.getLogger(__name__)
 
 
@@ -106,10 +107,16 @@ def self_prompt_settings(regen: RegenConfig) -> SelfPromptSettings:
     if regen.self_prompt_examples < 0:
         raise DataError(f"data.regen.self_prompt_examples={regen.self_prompt_examples}: use 0 (the category hint "
                         "alone) or more written prompts shown before each self-written one")
+    if regen.self_prompt_examples_shared < 1:
+        raise DataError(f"data.regen.self_prompt_examples_shared={regen.self_prompt_examples_shared}: use 1 (each "
+                        "candidate its own draw of examples) or more consecutive candidates sharing one draw")
+    # no examples shown: nothing to share, and an unsteered build keeps the key it had
+    shared = regen.self_prompt_examples_shared if regen.self_prompt_examples else 1
     return SelfPromptSettings(per_category=regen.self_prompts, oversample=regen.self_prompt_oversample,
                               max_new_tokens=regen.self_prompt_max_new_tokens,
                               temperature=regen.self_prompt_temperature, top_p=regen.self_prompt_top_p,
-                              batch_size=regen.batch_size, seed=regen.seed, examples=regen.self_prompt_examples)
+                              batch_size=regen.batch_size, seed=regen.seed, examples=regen.self_prompt_examples,
+                              examples_shared=shared)
 
 
 def default_dataset_path(regen: RegenConfig, prompts: list[dict]) -> Path:
@@ -119,7 +126,7 @@ def default_dataset_path(regen: RegenConfig, prompts: list[dict]) -> Path:
            "settings": content_settings(settings_of(regen))}
     if regen.self_prompts:  # key of a default set without self-written prompts unchanged
         key["self_prompts"] = {k: v for k, v in asdict(self_prompt_settings(regen)).items()
-                               if k not in skip and not (k == "examples" and v == 0)}  # earlier keys unchanged
+                               if k not in skip and (k, v) not in UNKEYED_DEFAULTS}  # earlier keys unchanged
         key["decontamination"] = overlap.RULES  # which candidates the held-out filter drops
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return cache_root() / "data" / f"default-{regen.target_name}-{digest}.jsonl"
@@ -247,7 +254,7 @@ def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: P
 def candidate_provenance(regen: RegenConfig, target, pools: dict[str, list[str]]) -> dict:
     """What a self-written candidate depends on besides its id (not how many are written, nor batch size)."""
     settings = {k: v for k, v in asdict(self_prompt_settings(regen)).items()
-                if k not in ("per_category", "oversample", "batch_size")}
+                if k not in ("per_category", "oversample", "batch_size") and (k, v) != ("examples_shared", 1)}
     shown = hashlib.sha256(json.dumps(pools, sort_keys=True).encode()).hexdigest()[:12]
     return {"target": target.spec.name, "target_path": target.spec.path, "precision": regen.precision,
             **settings, "example_pools": shown}

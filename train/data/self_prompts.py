@@ -3,7 +3,8 @@
 An instruct model fed its chat template up to the start of a user turn (`<|im_start|>system\\n...<|im_end|>
 \\n<|im_start|>user\\n` for ChatML) writes a plausible user message. A category hint in the system turn
 steers the topic, so categories can be balanced; with `examples`, a few of the written training prompts of the
-category come first as earlier user turns (each candidate its own draw), which steers the style too: a small
+category come first as earlier user turns (each candidate its own draw, or one per block of `examples_shared`
+consecutive candidates, whose one prompt is then prefilled once), which steers the style too: a small
 target's unsteered prompts are long and rambling, unlike what users ask. Candidates are sampled (temperature ~1),
 then filtered:
 unfinished, empty, too short, degenerate (repetitive), chat markup, no sensible ending, duplicates, near
@@ -52,6 +53,7 @@ class SelfPromptSettings:
     batch_size: int = 64
     seed: int = 0
     examples: int = 0  # written prompts of the category shown first as earlier user turns (0: the hint only)
+    examples_shared: int = 1  # consecutive candidates shown one draw of examples: one prompt, prefilled once
 
 
 def user_turn_prefix(tokenizer, system: str, examples: list[str] = ()) -> list[int]:
@@ -76,8 +78,19 @@ def example_pools(prompts: list[dict]) -> dict[str, list[str]]:
 def examples_for(row_id: str, pool: list[str], settings: SelfPromptSettings) -> list[str]:
     """The examples one candidate is shown: a draw fixed by its id and the seed (a resumed build redraws the
     same ones); fewer when the category has fewer, none for a category without written prompts."""
-    rng = random.Random(settings.seed * 1_000_003 + zlib.crc32(row_id.encode()))
+    key = example_draw(row_id, settings.examples_shared)
+    rng = random.Random(settings.seed * 1_000_003 + zlib.crc32(key.encode()))
     return rng.sample(pool, min(settings.examples, len(pool)))
+
+
+def example_draw(row_id: str, shared: int) -> str:
+    """Which draw of examples a candidate (id `<stem>-<k>`) is shown: its own, or with shared > 1 that of its
+    block of `shared` consecutive candidates, whose prompt is then the same and is prefilled once (decode.py).
+    The candidates of a block still differ: each samples its own user turn."""
+    if shared == 1:
+        return row_id  # the draws of builds before blocks existed
+    stem, _, k = row_id.rpartition("-")
+    return f"{stem}-draw{int(k) // shared}"
 
 
 def candidate_rows(settings: SelfPromptSettings) -> list[dict]:
