@@ -40,7 +40,10 @@ from headway.train.data.vllm_decode import open_decoder
 WRITTEN_PROMPTS = Path(__file__).parent / "builtin" / "default_prompts.jsonl"
 STDLIB_PROMPTS = Path(__file__).parent / "builtin" / "stdlib_prompts.jsonl"  # train/data/stdlib_prompts.py
 MORE_PROMPTS = Path(__file__).parent / "builtin" / "more_prompts.jsonl"  # regen.extra_prompts=builtin:more
-UNKEYED_DEFAULTS = {("examples", 0), ("examples_shared", 1)}  # self-prompt settings older keys were made without
+# self-prompt settings at the value builds had before the setting existed: left out, so those builds keep their
+# candidates' provenance and their dataset's key (the key also leaves out examples=0, as it did before examples)
+UNRECORDED_DEFAULTS = {("examples_shared", 1)}
+UNKEYED_DEFAULTS = UNRECORDED_DEFAULTS | {("examples", 0)}
 log = logging.getLogger(__name__)
 
 
@@ -254,7 +257,7 @@ def self_written_prompts(regen: RegenConfig, target, fixed: list[dict], final: P
 def candidate_provenance(regen: RegenConfig, target, pools: dict[str, list[str]]) -> dict:
     """What a self-written candidate depends on besides its id (not how many are written, nor batch size)."""
     settings = {k: v for k, v in asdict(self_prompt_settings(regen)).items()
-                if k not in ("per_category", "oversample", "batch_size") and (k, v) != ("examples_shared", 1)}
+                if k not in ("per_category", "oversample", "batch_size") and (k, v) not in UNRECORDED_DEFAULTS}
     shown = hashlib.sha256(json.dumps(pools, sort_keys=True).encode()).hexdigest()[:12]
     return {"target": target.spec.name, "target_path": target.spec.path, "precision": regen.precision,
             **settings, "example_pools": shown}
