@@ -240,7 +240,7 @@ def compare_layouts(args, target, rows) -> int:
                 same = sum(first[k] == texts.get(k) for k in first)
                 what = "prompts written" if args.stage == "prompts" else "greedy responses"
                 per_second.append(len(texts) / seconds)
-                per_prompt = (f", {len(texts) / seconds:.2f} candidates/s of "
+                per_prompt = (f", {per_second[-1]:.2f} candidates/s of "
                               f"{sum(len(t.split()) for t in texts.values()) / len(texts):.1f} words, "
                               f"{kept_after_filters(candidates)} kept by the build's filters"
                               if args.stage == "prompts" else "")

@@ -386,7 +386,8 @@ class _Decoder:
     def prefill(self) -> Tensor:
         """Feed every distinct prompt once; -> each row's last logits [B, V]."""
         first = first_rows(self.prompts)  # [B] the row whose prefill each row shares
-        distinct = (first == torch.arange(len(first))).nonzero().squeeze(1)  # [U]
+        fed_itself = first == torch.arange(len(first))  # [B]
+        distinct = fed_itself.nonzero().squeeze(1)  # [U]
         shared = shared_prefix([self.prompts[u] for u in distinct])
         own = self.lens - shared  # [B] tokens of each prompt after the shared prefix
         groups = [distinct[g] for g in prefill_groups(own[distinct])]
@@ -416,7 +417,7 @@ class _Decoder:
                 main.values[at, :, width - w:] = layer.values[of, :, shared:]
         for main, (k, v) in zip(self.cache.layers, prefix):
             main.keys[:, :, :shared], main.values[:, :, :shared] = k, v
-        copies = (first != torch.arange(len(first))).nonzero().squeeze(1)
+        copies = (~fed_itself).nonzero().squeeze(1)
         if self.tap and len(copies):  # the prompt states of a row that shared another's prefill
             for i in self.tap.layers:
                 self.hidden[i][copies] = self.hidden[i][first[copies]]
