@@ -131,7 +131,7 @@ def build(cfg) -> dict:
             "seed": cfg.train.seed, "head": cfg.head.kind}
     report = build_cache(out, target, list(datasets), layers, dtype, opts.batch_size, opts.shard_tokens, meta,
                          progress=rank == 0, logits=cfg.data.cache_logits, topk=cfg.data.logits_topk, rank=rank,
-                         world_size=world, barrier=barrier)
+                         world_size=world, barrier=barrier, precision=cfg.data.cache_precision)
     if rank != 0:
         return report
     cache = HiddenStateCache(out, target, layers)

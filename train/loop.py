@@ -196,7 +196,7 @@ def with_hidden_cache(data_cfg, accelerator: Accelerator, target, datasets, laye
     stats = build_cache(directory, target, datasets, sorted(set(layers) | {target.num_layers}),
                         logits=data_cfg.cache_logits, topk=data_cfg.logits_topk, rank=accelerator.process_index,
                         world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
-                        progress=accelerator.is_main_process)
+                        progress=accelerator.is_main_process, precision=data_cfg.cache_precision)
     if accelerator.is_main_process:
         log.info("hidden-state cache %s: %s", directory, stats)
     data_cfg = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))

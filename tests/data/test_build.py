@@ -178,6 +178,8 @@ def test_unknown_option_and_bad_values(tiny_tokenizer):
         build_datasets({"name": "x", "sorce": "builtin:tiny"}, tiny_tokenizer, 64)
     with pytest.raises(DataError, match="data.format"):
         build_datasets({"name": "x", "format": "alpaca"}, tiny_tokenizer, 64)
+    with pytest.raises(DataError, match="data.cache_precision=fp16: use one of auto, fp32, bf16"):
+        build_datasets({"name": "x", "cache_precision": "fp16"}, tiny_tokenizer, 64)
 
 
 @pytest.mark.parametrize("name", ["tiny", "default", "sharegpt", "ultrachat", "local"])

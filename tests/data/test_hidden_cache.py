@@ -380,3 +380,26 @@ def test_validation_allows_bf16_computed_shards_bf16_error_only(target, cache_di
         else:
             with pytest.raises(HiddenCacheError, match=r"relative error .* > 0.0001"):
                 cache.validate(target, samples=len(cache))
+
+
+def test_cache_pass_in_bf16_is_marked_close_and_validated(target, data, cache_dir, tmp_path):
+    """data.cache_precision=bf16: a bf16 copy of the fp32 target computes the states (stored in the cache's fp32),
+    every shard says so, they sit within bf16's error of the fp32 pass, validation accepts them, and the target
+    is its fp32 self again afterwards."""
+    model = target.model
+    build_cache(tmp_path, target, list(data), LAYERS, batch_size=8, shard_tokens=1500, progress=False,
+                precision="bf16")
+    assert target.model is model and next(model.parameters()).dtype == torch.float32
+    index = read_index(tmp_path)
+    assert index["dtype"] == "float32" and {s.get("computed_in") for s in index["shards"]} == {"bfloat16"}
+    assert all("computed_in" not in s for s in read_index(cache_dir)["shards"])  # the fp32 pass: unmarked
+    fp32, bf16 = HiddenStateCache(cache_dir, target, LAYERS), HiddenStateCache(tmp_path, target, LAYERS)
+    assert sorted(bf16.keys()) == sorted(fp32.keys())
+    errors = []
+    for key in fp32.keys():
+        ids, want = fp32.entry(key)
+        got_ids, got = bf16.entry(key)
+        assert torch.equal(got_ids, ids)
+        errors += [float((got[i] - want[i]).norm() / want[i].norm()) for i in want]
+    assert 1e-4 < max(errors) < 5e-2  # bf16's rounding, not fp32's, and not more
+    assert bf16.validate(target, samples=len(bf16)) < 5e-2

@@ -322,3 +322,14 @@ def test_bench_train_head_option_without_a_value_is_one_error_line(script, capsy
     with pytest.raises(SystemExit) as exit_:
         script("bench_train").main(["--quick", "--row-blocks", "--head-option", "draft_vocab_size"])
     assert "error: --head-option takes KEY=VALUE" in str(exit_.value.code)
+
+
+def test_bench_cache_pass(script, capsys):
+    """Both precisions build a cache; the bf16 states differ from the fp32 ones, by bf16's rounding only."""
+    lines = run(script("bench_cache_pass"), ["--quick"], capsys)
+    table = [line.split() for line in lines if len(line.split()) == 2 and line.split()[0] in ("fp32", "bf16")]
+    assert [row[0] for row in table] == ["fp32", "bf16"] and all(float(row[1]) > 0 for row in table)
+    (errors,) = [line for line in lines if line.startswith("bf16 against fp32")]
+    worst = [float(part.split(": ")[1]) for part in errors.split("index: ")[1].split(", ")]
+    assert len(worst) == 4 and all(1e-4 < e < 0.1 for e in worst)
+    assert lines[-1].startswith("cache pass, bf16 vs fp32 (tokens/s)")

@@ -264,3 +264,11 @@ def test_training_on_a_gpu_mixes_no_devices(head, hidden_states, tmp_path, monke
     with on_gpu(monkeypatch) as gpu:
         run_dir = train(cfg)
     assert (gpu.ops or not gpu.virtual) and (run_dir / "final" / "model.safetensors").is_file()
+
+
+def test_cache_precision_reaches_the_jobs_cache_pass(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    train(compose_train("head=eagle", "experiment=smoke", "data.hidden_states=offline", "data.cache_precision=bf16",
+                        "train.max_steps=2", run_dir=tmp_path / "run"))
+    (index,) = (tmp_path / "cache" / "hidden").glob("*/index.json")
+    assert {shard.get("computed_in") for shard in json.loads(index.read_text())["shards"]} == {"bfloat16"}

@@ -38,6 +38,7 @@ from torch import Tensor
 from headway.heads.base import TargetFeatures, compute_features
 from headway.heads.files import atomic_path, file_sha256, write_json_atomic
 from headway.train.data.batching import collate_fn
+from headway.train.data.decode import generating
 from headway.train.data.config import CACHE_LOGITS, DataError
 
 INDEX = "index.json"
@@ -266,9 +267,13 @@ class CacheWriter:
 def build_cache(directory, target, datasets, layers: list[int], dtype: torch.dtype | None = None,
                 batch_size: int = 8, shard_tokens: int = 1 << 18, meta: dict | None = None,
                 progress: bool = True, logits: str = "none", topk: int = 64, rank: int = 0, world_size: int = 1,
-                barrier=None) -> dict:
+                barrier=None, precision: str = "fp32") -> dict:
     """Run the target over every example of `datasets` (tokenised, items with input_ids/loss_mask) not yet
     cached and store its hidden states (and its logits: `logits` none | topk (`topk` per token) | full).
+    `precision` (data.cache_precision): fp32 runs the target as it is (offline equals online); bf16 runs a bf16
+    copy of an fp32 target (~2x as fast on a CPU that multiplies bf16; its shards record `computed_in`, and
+    validation allows them bf16's error, as for states captured while a bf16 copy wrote the data); auto: bf16
+    where the hardware multiplies it (train/data/decode.py resolve_precision).
     Distributed (world_size > 1; every rank calls it with the same datasets, `barrier` a collective wait):
     each rank computes every world_size-th missing example into its own part directory, then rank 0 moves
     the parts' shards into the cache under one index.
@@ -290,7 +295,11 @@ def build_cache(directory, target, datasets, layers: list[int], dtype: torch.dty
     writer = writer_in(part_dir(directory, rank)) if world_size > 1 else main
     todo = [t for t in todo if t[1] not in writer]
     started = time.perf_counter()
-    new_tokens = _compute(writer, target, datasets, todo, batch_size, ident["mode"] != "none", progress)
+    with generating(target, None, precision):  # target.model: a bf16 copy while it computes, where asked
+        computed = next(target.model.parameters()).dtype
+        if computed != dtype:
+            writer.computed_in = str(computed).removeprefix("torch.")
+        new_tokens = _compute(writer, target, datasets, todo, batch_size, ident["mode"] != "none", progress)
     seconds = time.perf_counter() - started
     if world_size > 1:
         barrier()
