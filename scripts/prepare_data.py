@@ -78,7 +78,8 @@ def prepare(cfg: PrepareConfig) -> dict:
     g = cfg.generation
     if g.max_new_tokens < 1 or g.batch_size < 1:
         raise DataError("generation.max_new_tokens and generation.batch_size must be >= 1")
-    from headway.train.data.decode import check_precision, resolve_precision
+    from headway.train.data.config import check_precision
+    from headway.train.data.decode import resolve_precision
     from headway.train.data.vllm_decode import resolve_backend
 
     regen_cfg = cfg.default_set.regen

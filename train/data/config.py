@@ -74,6 +74,13 @@ class DataConfig:
 FORMATS = ("auto", "messages", "sharegpt")
 HIDDEN_STATE_MODES = ("online", "offline")
 CACHE_LOGITS = ("none", "topk", "full")
+PRECISIONS = ("auto", "fp32", "bf16")  # auto: bf16 where the hardware multiplies it (decode.resolve_precision)
+
+
+def check_precision(precision: str, name: str = "precision") -> None:
+    """What the target computes in while it makes data (generation, the cache pass): PRECISIONS."""
+    if precision not in PRECISIONS:
+        raise DataError(f"{name}={precision}: use one of {', '.join(PRECISIONS)}")
 
 
 def check_data_config(cfg: DataConfig) -> None:
@@ -84,8 +91,6 @@ def check_data_config(cfg: DataConfig) -> None:
         raise DataError(f"data.hidden_states={cfg.hidden_states!r} is unknown: use online or offline")
     if cfg.cache_logits not in CACHE_LOGITS:
         raise DataError(f"data.cache_logits={cfg.cache_logits!r} is unknown: use one of {', '.join(CACHE_LOGITS)}")
-    from headway.train.data.decode import check_precision
-
     check_precision(cfg.cache_precision, "data.cache_precision")
     if cfg.logits_topk < 1:
         raise DataError(f"data.logits_topk={cfg.logits_topk} must be >= 1")

@@ -38,8 +38,8 @@ from headway.heads.kernels.attention import NAME as GROUPED_SDPA, grouped_sdpa_f
 from headway.heads.kernels.decode_attention import decode_attention
 from headway.heads.sampling import argmax, sample, warp_probs
 from headway.heads.kernels.weight_layout import apply_layout, current_layout
+from headway.train.data.config import DataError, check_precision
 
-PRECISIONS = ("auto", "fp32", "bf16")  # what the target computes in while it generates data (auto: resolve_precision)
 GROWTH = 64  # tokens of room a cache buffer gains at least when it grows
 MAX_TAIL = 8  # tokens teacher-forced after a row stops (stop token + template glue: 1-3 in practice)
 COMPACT_AT = 1 / 8  # complete rows leave the batch once they are this share of it (see _Decoder.retire)
@@ -87,8 +87,6 @@ def generation_layout(target, layout: str | None):
     """The target's Linear layers in weight layout `layout` (heads.kernels.weight_layout) while it generates, as
     they were after; None: as they are. The tiles layout's AMX kernel takes a whole decoding batch of up to 128
     rows (data generation 1.2x faster at batch 128: docs/data-generation.md)."""
-    from headway.train.data.config import DataError
-
     if layout is None:
         yield
         return
@@ -143,13 +141,6 @@ def generating(target, layout: str | None, precision: str = "fp32"):
         yield
     finally:
         target.model = model
-
-
-def check_precision(precision: str, name: str = "precision") -> None:
-    from headway.train.data.config import DataError
-
-    if precision not in PRECISIONS:
-        raise DataError(f"{name}={precision}: use one of {', '.join(PRECISIONS)}")
 
 
 def resolve_precision(precision: str, device: str) -> str:
