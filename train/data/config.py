@@ -66,7 +66,7 @@ class DataConfig:
     # cached last hidden state by the frozen LM head) | topk (logits_topk values + ids per token) | full ([V])
     logits_topk: int = 64  # k for cache_logits=topk: the head's soft target is renormalised over these k
     cache_precision: str = "fp32"  # what the target computes the cache in: fp32 (offline equals online) | bf16 (a
-    # bf16 copy: ~2x as fast on a CPU that multiplies bf16, bf16's rounding) | auto (bf16 where the hardware has it)
+    # bf16 copy: ~1.6x as fast on a CPU that multiplies bf16, bf16's rounding) | auto (bf16 where the hardware has it)
     cache_dir: Optional[str] = None  # datasets' cache (None: HF_DATASETS_CACHE)
     regen: RegenConfig = field(default_factory=RegenConfig)  # builtin:default only
 

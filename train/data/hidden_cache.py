@@ -38,8 +38,8 @@ from torch import Tensor
 from headway.heads.base import TargetFeatures, compute_features
 from headway.heads.files import atomic_path, file_sha256, write_json_atomic
 from headway.train.data.batching import collate_fn
-from headway.train.data.decode import generating
 from headway.train.data.config import CACHE_LOGITS, DataError
+from headway.train.data.decode import generating
 
 INDEX = "index.json"
 CACHE_FORMAT = 2  # 2: example keys live in the shard headers (1: in index.json "entries"; still read)
@@ -271,7 +271,7 @@ def build_cache(directory, target, datasets, layers: list[int], dtype: torch.dty
     """Run the target over every example of `datasets` (tokenised, items with input_ids/loss_mask) not yet
     cached and store its hidden states (and its logits: `logits` none | topk (`topk` per token) | full).
     `precision` (data.cache_precision): fp32 runs the target as it is (offline equals online); bf16 runs a bf16
-    copy of an fp32 target (~2x as fast on a CPU that multiplies bf16; its shards record `computed_in`, and
+    copy of an fp32 target (~1.6x as fast on a CPU that multiplies bf16; its shards record `computed_in`, and
     validation allows them bf16's error, as for states captured while a bf16 copy wrote the data); auto: bf16
     where the hardware multiplies it (train/data/decode.py resolve_precision).
     Distributed (world_size > 1; every rank calls it with the same datasets, `barrier` a collective wait):
@@ -295,7 +295,8 @@ def build_cache(directory, target, datasets, layers: list[int], dtype: torch.dty
     writer = writer_in(part_dir(directory, rank)) if world_size > 1 else main
     todo = [t for t in todo if t[1] not in writer]
     started = time.perf_counter()
-    with generating(target, None, precision):  # target.model: a bf16 copy while it computes, where asked
+    # target.model: a bf16 copy while it computes, where asked (and there is something to compute)
+    with generating(target, None, precision if todo else "fp32"):
         computed = next(target.model.parameters()).dtype
         if computed != dtype:
             writer.computed_in = str(computed).removeprefix("torch.")
